@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,62 @@
+"""Choosing the candidates of one pass and how many of them to accept (METHOD.md, "Decoding").
+
+Candidate 1 comes from the last real token and is always accepted; candidate k is
+accepted while every candidate before it was and its confidence passes tau.
+tau = 1.0 accepts exactly one token per pass for every metric, also where a
+saturated softmax reports a confidence of exactly 1.0. Everything here is a pure
+tensor function: one host sync per pass happens in the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def choose(
+    logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per position: argmax, or Gumbel-max sampling at ``temperature``.
+
+    logits: (..., vocab). Returns (tokens, probs): tokens (...), and the
+    probabilities (..., vocab) of the distribution they were drawn from.
+    """
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    probs = torch.softmax(logits, dim=-1)
+    if temperature > 0:
+        uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)).clamp_min(1e-20))
+        tokens = (logits + gumbel).argmax(dim=-1)
+    else:
+        tokens = logits.argmax(dim=-1)
+    return tokens, probs
+
+
+def confidence(probs: torch.Tensor, tokens: torch.Tensor, metric: str = "probability") -> torch.Tensor:
+    """Per-position confidence (...,) of the chosen tokens under ``metric``.
+
+    probability: p(chosen); margin: top1 - top2 probability; entropy: H in nats
+    (for entropy, smaller is more confident).
+    """
+    if metric == "probability":
+        return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if metric == "margin":
+        top = probs.topk(2, dim=-1).values
+        return top[..., 0] - top[..., 1]
+    if metric == "entropy":
+        return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+    raise ValueError(f"unknown acceptance metric {metric!r}")
+
+
+def accept_count(conf: torch.Tensor, tau: float, metric: str = "probability") -> torch.Tensor:
+    """How many leading candidates to accept, per row.
+
+    conf: (..., window) confidences of candidates 1..window. Returns (...,) counts
+    in [1, window]: 1 + the length of the run of passing candidates after the first.
+    """
+    if tau >= 1.0:
+        return torch.ones(conf.shape[:-1], dtype=torch.long, device=conf.device)
+    passing = conf <= tau if metric == "entropy" else conf >= tau
+    passing[..., 0] = True  # candidate 1 is the AR token: always accepted
+    return passing.long().cumprod(dim=-1).sum(dim=-1)

@@ -1,0 +1,65 @@
+"""``python -m mars_demo COMMAND``: one entry point; each command lives in ``mars_demo/commands/``.
+
+Every command module exposes ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int``. A user error (bad flag value, unknown model, empty prompt)
+is one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+
+from . import commands
+from .loading import BUNDLED, ModelLoadError
+
+
+class UserError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def command_modules() -> dict:
+    found = {}
+    for info in pkgutil.iter_modules(commands.__path__):
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        if hasattr(module, "run"):
+            found[info.name.replace("_", "-")] = module
+    return found
+
+
+def add_model_argument(parser: argparse.ArgumentParser, flag: str = "--model") -> None:
+    parser.add_argument(flag, default=BUNDLED, help=f"checkpoint spec (default: the bundled {BUNDLED})")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (exit code 2), not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m mars_demo", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in sorted(command_modules().items()):
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return command_modules()[args.command].run(args) or 0
+    except (UserError, ModelLoadError, ValueError, FileNotFoundError) as err:
+        if args.verbose:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

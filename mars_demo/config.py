@@ -1,0 +1,75 @@
+"""One frozen, validated setting per decoding run.
+
+The CLI flags and the UI sliders read their defaults and ranges from here, so a
+value outside them is refused in one place, with one message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+Mode = Literal["mars", "ar"]
+Metric = Literal["probability", "entropy", "margin"]
+MODES: tuple[str, ...] = ("mars", "ar")
+METRICS: tuple[str, ...] = ("probability", "entropy", "margin")
+
+# (minimum, maximum, step) for the numeric settings; the UI builds its sliders from these.
+RANGES: dict[str, tuple[float, float, float]] = {
+    "tau": (0.0, 1.0, 0.01),
+    "block_size": (1, 16, 1),
+    "max_new_tokens": (1, 2048, 1),
+    "temperature": (0.0, 2.0, 0.05),
+}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode one prompt.
+
+    tau: acceptance threshold read at the start of the run (a live source may change it
+      between passes); 1.0 means one token per pass, whatever the metric.
+    block_size: candidates per pass (B); None takes the checkpoint's.
+    metric: probability of the chosen token >= tau, entropy <= tau (nats), or
+      top1 - top2 probability margin >= tau.
+    temperature: 0 is greedy; above 0 samples with Gumbel-max noise.
+    stop: strings that end the output (the stop string itself is not returned).
+    """
+
+    mode: Mode = "mars"
+    tau: float = 0.9
+    block_size: int | None = None
+    max_new_tokens: int = 256
+    metric: Metric = "probability"
+    temperature: float = 0.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
+        check_tau(self.tau)
+        if self.block_size is not None and (int(self.block_size) != self.block_size or self.block_size < 1):
+            raise ValueError(f"block size must be an integer of at least 1, got {self.block_size}")
+        if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be an integer of at least 1, got {self.max_new_tokens}")
+        if not 0.0 <= self.temperature <= RANGES["temperature"][1]:
+            raise ValueError(f"temperature must be between 0 and {RANGES['temperature'][1]}, got {self.temperature}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a tuple of non-empty strings")
+
+    def with_(self, **changes) -> DecodeConfig:
+        """A copy with some fields changed, validated again; unknown names are an error."""
+        names = {f.name for f in fields(self)}
+        unknown = set(changes) - names
+        if unknown:
+            raise TypeError(f"unknown decode setting(s): {', '.join(sorted(unknown))}")
+        return replace(self, **changes)
+
+
+def check_tau(tau: float) -> float:
+    if not isinstance(tau, (int, float)) or not 0.0 <= float(tau) <= 1.0:
+        raise ValueError(f"tau must be between 0 and 1, got {tau}")
+    return float(tau)

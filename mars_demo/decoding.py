@@ -1,0 +1,296 @@
+"""MARS sliding-window decoding and its AR baseline, with a KV cache (METHOD.md, "Decoding").
+
+One pass feeds [tokens accepted last pass | B-1 masks], reads B candidates (the
+last real token's output is the AR next-token distribution, mask j's output is
+the (j+1)-ahead guess), accepts the confident prefix, and crops the masks' entries
+off the cache. The AR baseline is the same loop with no masks, so both share the
+prefill, the cache type, the events and the timer.
+
+Decoders are generators that yield one StepEvent per forward pass; the last event
+carries the run's totals. tau is read from a live source before every pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from .acceptance import accept_count, choose, confidence
+from .config import DecodeConfig, check_tau
+from .data import prompt_ids
+from .loading import LoadedModel
+
+
+class LiveTau:
+    """A tau the caller may change while a decoder runs; the decoder reads it before every pass."""
+
+    def __init__(self, value: float = 0.9) -> None:
+        self.set(value)
+
+    def set(self, value: float) -> None:
+        self._value = check_tau(value)
+
+    def get(self) -> float:
+        return self._value
+
+
+@dataclass(frozen=True)
+class RunStats:
+    tokens: int
+    forward_passes: int
+    seconds: float
+    finish_reason: str  # "eos", "stop" or "length"
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / max(self.forward_passes, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One forward pass: the tokens it accepted, their text and confidences, the tau in force."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    pieces: tuple[str, ...]  # text of each accepted token ("" for special tokens)
+    confidences: tuple[float, ...]
+    tau: float
+    seconds: float
+    stats: RunStats | None = None  # totals, on the final event only
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def done(self) -> bool:
+        return self.stats is not None
+
+
+@dataclass
+class Generation:
+    """A finished run, collected from its events."""
+
+    steps: list[StepEvent] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(step.text for step in self.steps)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for step in self.steps for t in step.token_ids]
+
+    @property
+    def stats(self) -> RunStats:
+        return self.steps[-1].stats
+
+
+def collect(events: Iterable[StepEvent]) -> Generation:
+    return Generation(list(events))
+
+
+@dataclass(frozen=True)
+class _Pass:
+    tokens: list[int]
+    confidences: list[float]
+    tau: float
+    seconds: float
+    finish: str | None
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    return found
+
+
+def context_limit(model: PreTrainedModel) -> int:
+    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+
+
+def check_prompt(model: PreTrainedModel, n_prompt: int, window: int) -> None:
+    if n_prompt == 0:
+        raise ValueError("the prompt is empty")
+    limit = context_limit(model)
+    if n_prompt + window > limit:
+        raise ValueError(f"the prompt is {n_prompt} tokens; this model's context is {limit} tokens")
+
+
+def forward_window(model: PreTrainedModel, cache: DynamicCache, fed: torch.Tensor, window: int) -> torch.Tensor:
+    """Run one cached forward pass over ``fed`` (1, n); logits (window, vocab) of its last ``window`` positions."""
+    out = model(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=window)
+    return out.logits[0]
+
+
+def accept_prefix(logits: torch.Tensor, tau: float, metric: str, temperature: float, generator) -> tuple[list[int], list[float]]:
+    """Candidates of one pass and the accepted prefix, with a single host sync."""
+    tokens, probs = choose(logits, temperature, generator)  # (window,), (window, vocab)
+    conf = confidence(probs, tokens, metric)  # (window,)
+    n = accept_count(conf, tau, metric)  # ()
+    packed = torch.cat([tokens.double(), conf.double(), n.double().reshape(1)]).tolist()
+    window = tokens.shape[0]
+    n = int(packed[-1])
+    return [int(t) for t in packed[:n]], packed[window : window + n]
+
+
+@torch.inference_mode()
+def decode_passes(
+    model: PreTrainedModel,
+    prompt: list[int],
+    *,
+    window: int,
+    mask_id: int,
+    tau: LiveTau,
+    metric: str,
+    temperature: float,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    seed: int | None = None,
+) -> Iterator[_Pass]:
+    """The decoding loop in token space; ``window`` = 1 is plain AR decoding.
+
+    The cache and its committed length are local to this generator.
+    """
+    check_prompt(model, len(prompt), window)
+    device = model.device
+    max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - window + 1)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=device)
+    cache = DynamicCache(config=model.config)
+    pending = torch.tensor([prompt], dtype=torch.long, device=device)  # first pass is the prefill
+    produced = 0
+    while True:
+        tau_now = tau.get()
+        started = time.perf_counter()
+        logits = forward_window(model, cache, torch.cat([pending, masks], dim=1), window)
+        tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator)
+        tokens = tokens[: max_new_tokens - produced]
+        finish = None
+        for i, token in enumerate(tokens):
+            if token in stop_ids:
+                tokens, finish = tokens[: i + 1], "eos"
+                break
+        produced += len(tokens)
+        if finish is None and produced >= max_new_tokens:
+            finish = "length"
+        if window > 1:
+            cache.crop(-(window - 1))  # drop the masks; accepted tokens are fed next pass
+        pending = torch.tensor([tokens], dtype=torch.long, device=device)
+        yield _Pass(tokens, confs[: len(tokens)], tau_now, time.perf_counter() - started, finish)
+        if finish:
+            return
+
+
+class Detokenizer:
+    """Incremental detokenisation: the text each new token adds, holding back split characters."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window decoded with each new token
+        self.read = 0  # tokens whose text has been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever was held back (a character split at the very end)."""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        self.read = len(self.ids)
+        return after[len(before) :]
+
+
+def _cut_at_stop(pieces: list[str], emitted: str, stops: tuple[str, ...]) -> int | None:
+    """Number of this pass's pieces to keep if a stop string now appears, else None."""
+    if not stops:
+        return None
+    text = emitted + "".join(pieces)
+    start = max(0, len(emitted) - max(map(len, stops)))
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    cut, length = min(hits), len(emitted)
+    for k, piece in enumerate(pieces):
+        if length + len(piece) > cut:
+            pieces[k] = piece[: cut - length]
+            return k + 1
+        length += len(piece)
+    return len(pieces)
+
+
+def stream(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: list[int],
+    config: DecodeConfig,
+    *,
+    mask_id: int,
+    block_size: int,
+    tau: LiveTau | None = None,
+) -> Iterator[StepEvent]:
+    """Decode token ids ``prompt`` under ``config``, one StepEvent per forward pass."""
+    tau = tau or LiveTau(config.tau)
+    window = 1 if config.mode == "ar" else (config.block_size or block_size)
+    passes = decode_passes(
+        model, prompt, window=window, mask_id=mask_id, tau=tau, metric=config.metric,
+        temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+        stop_ids=eos_ids(model, tokenizer), seed=config.seed,
+    )
+    detok = Detokenizer(tokenizer)
+    emitted, tokens, seconds = "", 0, 0.0
+    for index, step in enumerate(passes):
+        pieces = [detok.push(t) for t in step.tokens]
+        finish = step.finish
+        keep = _cut_at_stop(pieces, emitted, config.stop)
+        if keep is not None:
+            step.tokens[keep:], pieces[keep:], finish = [], [], "stop"
+        elif finish and pieces:
+            pieces[-1] += detok.flush()
+        emitted += "".join(pieces)
+        tokens += len(step.tokens)
+        seconds += step.seconds
+        stats = RunStats(tokens, index + 1, seconds, finish) if finish else None
+        yield StepEvent(
+            index=index,
+            token_ids=tuple(step.tokens),
+            pieces=tuple(pieces),
+            confidences=tuple(step.confidences[: len(step.tokens)]),
+            tau=step.tau,
+            seconds=step.seconds,
+            stats=stats,
+        )
+        if finish:
+            return
+
+
+def generate(
+    lm: LoadedModel, prompt: str | list[dict], config: DecodeConfig = DecodeConfig(), tau: LiveTau | None = None
+) -> Iterator[StepEvent]:
+    """Apply the chat template to ``prompt`` (text or messages) and stream its decoding."""
+    if isinstance(prompt, str) and not prompt.strip():
+        raise ValueError("the prompt is empty")
+    ids = prompt_ids(lm.tokenizer, prompt)
+    return stream(
+        lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=lm.meta.block_size, tau=tau
+    )

