@@ -25,8 +25,8 @@ def choose(
         logits = logits / temperature
     probs = torch.softmax(logits, dim=-1)
     if temperature > 0:
-        uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
-        gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)).clamp_min(1e-20))
+        uniform = torch.rand(logits.shape, generator=generator, device=logits.device).clamp(1e-10, 1 - 1e-7)
+        gumbel = -torch.log(-torch.log(uniform))
         tokens = (logits + gumbel).argmax(dim=-1)
     else:
         tokens = logits.argmax(dim=-1)

@@ -33,7 +33,7 @@ class DecodeConfig:
     metric: probability of the chosen token >= tau, entropy <= tau (nats), or
       top1 - top2 probability margin >= tau.
     temperature: 0 is greedy; above 0 samples with Gumbel-max noise.
-    stop: strings that end the output (the stop string itself is not returned).
+    stop: strings that end the output; the output ends with the stop string, as in transformers.
     """
 
     mode: Mode = "mars"

