@@ -102,9 +102,18 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSONL file; a last line still being written by another process is left out."""
     if not Path(path).is_file():
         return []
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines) - 1:
+                raise
+    return rows
 
 
 def _batches(items: list, size: int) -> Iterable[list]:

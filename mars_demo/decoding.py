@@ -172,8 +172,10 @@ def decode_passes(
     produced = 0
     while True:
         tau_now = tau.get()
+        # At tau = 1.0 only candidate 1 can be accepted: skip the masks and run a plain AR pass.
+        width = 1 if tau_now >= 1.0 else window
         started = time.perf_counter()
-        logits = forward_window(model, cache, torch.cat([pending, masks], dim=1), window)
+        logits = forward_window(model, cache, torch.cat([pending, masks[:, : width - 1]], dim=1), width)
         tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator)
         tokens = tokens[: max_new_tokens - produced]
         finish = None
@@ -184,8 +186,8 @@ def decode_passes(
         produced += len(tokens)
         if finish is None and produced >= max_new_tokens:
             finish = "length"
-        if window > 1:
-            cache.crop(-(window - 1))  # drop the masks; accepted tokens are fed next pass
+        if width > 1:
+            cache.crop(-(width - 1))  # drop the masks; accepted tokens are fed next pass
         pending = torch.tensor([tokens], dtype=torch.long, device=device)
         yield _Pass(tokens, confs[: len(tokens)], tau_now, time.perf_counter() - started, finish)
         if finish:

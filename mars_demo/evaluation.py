@@ -1,0 +1,409 @@
+"""Quality and speed of MARS against its own tau = 1.0 output, the AR decoder and the base model.
+
+Every prompt is decoded by the AR decoder (mode "ar"), by MARS at tau = 1.0 (the
+reference output) and by MARS at each other tau, in that order, prompt after prompt,
+so that machine load falls on all of them alike; one warm-up decode of each mode
+comes first. All decoding is greedy. Figures per tau, pooled over the prompts:
+
+  tokens_per_forward  total tokens / total forward passes.
+  speedup             sum of AR seconds / sum of MARS seconds on the same prompts
+                      (each decoder's own timer: its forward passes and acceptance).
+  extra_ar_match      share of the extra-accepted tokens (the 2nd, 3rd, ... token of a
+                      pass) that equal the evaluated model's argmax given the accepted
+                      prefix, i.e. that AR would also have chosen there; read from one
+                      teacher-forced pass over prompt + output. 1.0 when a tau accepts
+                      no extra token (``extra_tokens`` = 0 says so). ``by_position``
+                      gives the same share per in-pass position; position 1 is the AR
+                      token itself and matches up to float noise.
+  prefix_agreement    mean over prompts of (common prefix length with the tau = 1.0
+                      output) / (length of the longer of the two); 1.0 iff identical.
+  exact_match         share of prompts whose output equals the tau = 1.0 output.
+  delta_nll           NLL per token under the base model (teacher-forced) of the MARS
+                      outputs minus that of the tau = 1.0 outputs; each NLL per token is
+                      token-weighted over the prompts (sum of token NLLs / total tokens).
+Once per run: tau1_vs_base_nll, the same pooled NLL per token of the tau = 1.0 outputs
+minus that of the base model's own greedy outputs (decoded with the base model).
+
+The metric functions (``teacher_forced``, ``mean_nll``, ``prefix_agreement``,
+``pass_positions``, ``ar_match``) are pure and small, for reuse by the benchmark.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from .config import DecodeConfig, check_tau
+from .data import prompt_ids
+from .decoding import collect, stream
+from .loading import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_TAU = 1.0
+# Written into the JSON report so that it explains itself; the module docstring says the same.
+DEFINITIONS = {
+    "tokens_per_forward": "total tokens / total forward passes, over the prompts",
+    "speedup": "sum of AR decoder seconds / sum of MARS seconds, same prompts, runs interleaved per prompt",
+    "tokens_per_second_ratio": "MARS tokens per second / AR tokens per second (differs from speedup when lengths differ)",
+    "extra_ar_match": "share of tokens beyond the first of each pass that equal the evaluated model's "
+    "teacher-forced argmax given the accepted prefix; 1.0 when extra_tokens is 0",
+    "by_position": "the same share per in-pass position (1 = the AR token of the pass)",
+    "prefix_agreement": "mean over prompts of common prefix with the tau=1.0 output / length of the longer of the two",
+    "exact_match": "share of prompts whose output equals the tau=1.0 output",
+    "nll": "NLL per token under the base model, teacher-forced, token-weighted over prompts",
+    "delta_nll": "nll of this tau's outputs minus nll of the tau=1.0 outputs",
+    "tau1_vs_base_nll": "nll of the tau=1.0 outputs minus nll of the base model's own greedy outputs",
+}
+DEFAULT_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
+WARMUP_TOKENS = 8
+
+
+# --- metric functions: pure, on token ids -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One teacher-forced pass over prompt + output: per output token, its NLL and the argmax there."""
+
+    nll: tuple[float, ...]  # -log p(output[i] | prompt, output[:i])
+    argmax: tuple[int, ...]  # argmax of p(. | prompt, output[:i]): what greedy AR would pick
+
+    @property
+    def total(self) -> float:
+        return sum(self.nll)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.nll)
+
+
+@torch.inference_mode()
+def teacher_forced(model: PreTrainedModel, prompt: Sequence[int], output: Sequence[int]) -> Scored:
+    """Score ``output`` after ``prompt`` with one causal forward pass (no cache, no masks)."""
+    if not prompt:
+        raise ValueError("teacher forcing needs a non-empty prompt")
+    if not output:
+        return Scored((), ())
+    ids = torch.tensor([list(prompt) + list(output)], dtype=torch.long, device=model.device)
+    # The prediction for output[i] is read at position len(prompt) - 1 + i: keep len(output) + 1
+    # positions and drop the last, which predicts past the output.
+    logits = model(input_ids=ids, logits_to_keep=len(output) + 1).logits[0, :-1].float()  # (len(output), vocab)
+    logp = torch.log_softmax(logits, dim=-1)
+    target = ids[0, len(prompt) :]
+    nll = -logp.gather(1, target[:, None]).squeeze(1)  # (len(output),)
+    packed = torch.cat([nll.double(), logits.argmax(dim=-1).double()]).tolist()  # one host sync
+    n = len(output)
+    return Scored(tuple(packed[:n]), tuple(int(t) for t in packed[n:]))
+
+
+def mean_nll(model: PreTrainedModel, prompt: Sequence[int], output: Sequence[int]) -> float:
+    """NLL per token of ``output`` given ``prompt`` under ``model``, teacher-forced."""
+    if not output:
+        raise ValueError("the NLL per token of an empty output is undefined")
+    scored = teacher_forced(model, prompt, output)
+    return scored.total / scored.tokens
+
+
+def pooled_nll(scores: Sequence[Scored]) -> float:
+    """Token-weighted NLL per token over several outputs: sum of token NLLs / total tokens (0.0 if none)."""
+    tokens = sum(s.tokens for s in scores)
+    return sum(s.total for s in scores) / tokens if tokens else 0.0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_agreement(a: Sequence[int], b: Sequence[int]) -> float:
+    """Common prefix length / length of the longer sequence: 1.0 iff equal (also both empty), 0.0 if the first tokens differ."""
+    longer = max(len(a), len(b))
+    return common_prefix(a, b) / longer if longer else 1.0
+
+
+def pass_positions(pass_lengths: Sequence[int]) -> list[int]:
+    """In-pass position (1-based) of every output token, from the number of tokens each pass accepted.
+
+    [3, 1, 2] -> [1, 2, 3, 1, 1, 2]: position 1 is the AR token of a pass, 2.. are its extras.
+    """
+    return [k for n in pass_lengths for k in range(1, n + 1)]
+
+
+def ar_match(output: Sequence[int], argmax: Sequence[int], pass_lengths: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """Per in-pass position: (tokens that equal the AR argmax at their place, tokens), for positions that occur."""
+    positions = pass_positions(pass_lengths)
+    if not len(output) == len(argmax) == len(positions):
+        raise ValueError(
+            f"output ({len(output)}), argmax ({len(argmax)}) and passes ({len(positions)} tokens) disagree in length"
+        )
+    counts: dict[int, list[int]] = {}
+    for token, best, position in zip(output, argmax, positions):
+        slot = counts.setdefault(position, [0, 0])
+        slot[0] += int(token == best)
+        slot[1] += 1
+    return {k: (v[0], v[1]) for k, v in sorted(counts.items())}
+
+
+def merge_counts(items: Sequence[dict[int, tuple[int, int]]]) -> dict[int, tuple[int, int]]:
+    """Add up per-position (matched, total) counts, e.g. over prompts."""
+    total: dict[int, tuple[int, int]] = {}
+    for counts in items:
+        for k, (m, n) in counts.items():
+            m0, n0 = total.get(k, (0, 0))
+            total[k] = (m0 + m, n0 + n)
+    return dict(sorted(total.items()))
+
+
+def extra_ar_match(counts: dict[int, tuple[int, int]]) -> tuple[float, int]:
+    """(share of extra tokens, positions >= 2, that match AR; number of extra tokens); 1.0 when there are none."""
+    matched = sum(m for k, (m, _) in counts.items() if k >= 2)
+    extras = sum(n for k, (_, n) in counts.items() if k >= 2)
+    return (matched / extras if extras else 1.0), extras
+
+
+# --- the evaluation run ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to evaluate. tau = 1.0 is always run (it is the reference) and listed first."""
+
+    taus: tuple[float, ...] = DEFAULT_TAUS
+    max_new_tokens: int = 128
+    block_size: int | None = None  # None: the checkpoint's
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.taus:
+            raise ValueError("choose at least one tau")
+        for tau in self.taus:
+            check_tau(tau)
+        DecodeConfig(max_new_tokens=self.max_new_tokens, block_size=self.block_size)  # same checks as decoding
+
+    @property
+    def levels(self) -> tuple[float, ...]:
+        """The taus to run: 1.0 first, then the rest from high to low, without repeats."""
+        rest = sorted({float(t) for t in self.taus} - {REFERENCE_TAU}, reverse=True)
+        return (REFERENCE_TAU, *rest)
+
+    def decode(self, mode: str, tau: float = REFERENCE_TAU) -> DecodeConfig:
+        return DecodeConfig(mode=mode, tau=tau, block_size=self.block_size, max_new_tokens=self.max_new_tokens)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One prompt decoded once: its tokens, how many each pass accepted, and the decoder's seconds."""
+
+    token_ids: tuple[int, ...]
+    pass_lengths: tuple[int, ...]
+    seconds: float
+    text: str
+    finish_reason: str
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def forward_passes(self) -> int:
+        return len(self.pass_lengths)
+
+
+def decode(lm: LoadedModel, ids: list[int], config: DecodeConfig) -> Decoded:
+    result = collect(
+        stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=lm.meta.block_size)
+    )
+    return Decoded(
+        token_ids=tuple(result.token_ids),
+        pass_lengths=tuple(len(s.token_ids) for s in result.steps),
+        seconds=result.stats.seconds,
+        text=result.text,
+        finish_reason=result.stats.finish_reason,
+    )
+
+
+@dataclass
+class Runs:
+    """Every decode of an evaluation, prompt i at index i."""
+
+    ar: list[Decoded] = field(default_factory=list)
+    mars: dict[float, list[Decoded]] = field(default_factory=dict)
+    base: list[Decoded] = field(default_factory=list)  # the base model's own greedy output
+
+
+def same_tokenizer(a: LoadedModel, b: LoadedModel) -> bool:
+    return a.tokenizer is b.tokenizer or a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+
+
+def decode_all(lm: LoadedModel, base: LoadedModel, prompts: list[list[int]], config: EvalConfig, progress: bool = True) -> Runs:
+    """AR, tau = 1.0 and every tau, interleaved per prompt; then the base model's greedy outputs."""
+    runs = Runs(mars={tau: [] for tau in config.levels})
+    if config.warmup:
+        short = DecodeConfig(mode="ar", max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens), block_size=config.block_size)
+        decode(lm, prompts[0], short)
+        decode(lm, prompts[0], short.with_(mode="mars", tau=min(config.levels)))
+    total = len(prompts) * (1 + len(config.levels)) + (0 if base is lm else len(prompts))
+    with tqdm(total=total, desc="decode", disable=not progress) as bar:
+        for ids in prompts:
+            runs.ar.append(decode(lm, ids, config.decode("ar")))
+            bar.update(1)
+            for tau in config.levels:
+                runs.mars[tau].append(decode(lm, ids, config.decode("mars", tau)))
+                bar.update(1)
+        if base is lm:
+            runs.base = list(runs.ar)  # the AR decoder is the evaluated model's greedy decoding
+        else:
+            for ids in prompts:
+                runs.base.append(decode(base, ids, config.decode("ar")))
+                bar.update(1)
+    return runs
+
+
+class Scorer:
+    """teacher_forced, memoised per (prompt, output): many taus give the same output."""
+
+    def __init__(self, model: PreTrainedModel, prompts: list[list[int]]) -> None:
+        self.model, self.prompts = model, prompts
+        self.memo: dict[tuple[int, tuple[int, ...]], Scored] = {}
+
+    def __call__(self, index: int, output: Sequence[int]) -> Scored:
+        key = (index, tuple(output))
+        if key not in self.memo:
+            self.memo[key] = teacher_forced(self.model, self.prompts[index], output)
+        return self.memo[key]
+
+
+def score_all(runs: Runs, own: Scorer, base: Scorer, progress: bool = True) -> None:
+    """Fill both scorers' memos: the evaluated model scores MARS outputs, the base scores those and its own."""
+    jobs = [(own, i, r.token_ids) for mine in runs.mars.values() for i, r in enumerate(mine)]
+    jobs += [(base, i, r.token_ids) for mine in [*runs.mars.values(), runs.base] for i, r in enumerate(mine)]
+    todo = list(dict.fromkeys(job for job in jobs if (job[1], job[2]) not in job[0].memo))
+    for scorer, i, output in tqdm(todo, desc="score", disable=not progress):
+        scorer(i, output)
+
+
+def tau_row(
+    tau: float, runs: list[Decoded], ar: list[Decoded], reference: list[Decoded], own: list[Scored], base: list[Scored],
+    reference_nll: float,
+) -> dict:
+    """The pooled figures of one tau (see the module docstring)."""
+    tokens = sum(r.tokens for r in runs)
+    passes = sum(r.forward_passes for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    ar_seconds = sum(r.seconds for r in ar)
+    ar_tokens = sum(r.tokens for r in ar)
+    counts = merge_counts([ar_match(r.token_ids, s.argmax, r.pass_lengths) for r, s in zip(runs, own)])
+    match, extras = extra_ar_match(counts)
+    agreement = [prefix_agreement(r.token_ids, ref.token_ids) for r, ref in zip(runs, reference)]
+    nll = pooled_nll(base)
+    tps = tokens / seconds if seconds > 0 else 0.0
+    ar_tps = ar_tokens / ar_seconds if ar_seconds > 0 else 0.0
+    return {
+        "tau": tau,
+        "tokens": tokens,
+        "forward_passes": passes,
+        "tokens_per_forward": tokens / max(passes, 1),
+        "seconds": seconds,
+        "tokens_per_second": tps,
+        "speedup": ar_seconds / seconds if seconds > 0 else None,
+        "tokens_per_second_ratio": tps / ar_tps if ar_tps > 0 else None,
+        "extra_tokens": extras,
+        "extra_ar_match": match,
+        "by_position": [{"position": k, "tokens": n, "ar_match": m / n} for k, (m, n) in counts.items()],
+        "prefix_agreement": sum(agreement) / len(agreement),
+        "exact_match": sum(a == 1.0 for a in agreement) / len(agreement),
+        "nll": nll,
+        "delta_nll": nll - reference_nll,
+    }
+
+
+def summarise(runs: Runs, own: Scorer, base: Scorer, texts: list[str]) -> dict:
+    """Score every output and pool the figures; ``own`` scores with the evaluated model, ``base`` with the base."""
+    reference = runs.mars[REFERENCE_TAU]
+    ref_nll = pooled_nll([base(i, r.token_ids) for i, r in enumerate(reference)])
+    base_nll = pooled_nll([base(i, r.token_ids) for i, r in enumerate(runs.base)])
+    rows = []
+    for tau, mine in runs.mars.items():
+        own_scores = [own(i, r.token_ids) for i, r in enumerate(mine)]
+        base_scores = [base(i, r.token_ids) for i, r in enumerate(mine)]
+        rows.append(tau_row(tau, mine, runs.ar, reference, own_scores, base_scores, ref_nll))
+    ar_seconds = sum(r.seconds for r in runs.ar)
+    return {
+        "prompts": len(texts),
+        "ar": {
+            "tokens": sum(r.tokens for r in runs.ar),
+            "forward_passes": sum(r.forward_passes for r in runs.ar),
+            "seconds": ar_seconds,
+            "tokens_per_second": sum(r.tokens for r in runs.ar) / ar_seconds if ar_seconds > 0 else 0.0,
+        },
+        "tau1_equals_ar": sum(r.token_ids == a.token_ids for r, a in zip(reference, runs.ar)) / len(texts),
+        "tau1_nll": ref_nll,
+        "base_greedy_nll": base_nll,
+        "tau1_vs_base_nll": ref_nll - base_nll,
+        "taus": rows,
+        "per_prompt": [
+            {
+                "prompt": text,
+                "ar": _run_record(runs.ar[i]),
+                "base_greedy": _run_record(runs.base[i]),
+                "mars": {str(tau): _run_record(mine[i], reference[i]) for tau, mine in runs.mars.items()},
+            }
+            for i, text in enumerate(texts)
+        ],
+    }
+
+
+def _run_record(run: Decoded, reference: Decoded | None = None) -> dict:
+    record = {
+        "text": run.text,
+        "token_ids": list(run.token_ids),
+        "pass_lengths": list(run.pass_lengths),
+        "seconds": run.seconds,
+        "finish_reason": run.finish_reason,
+    }
+    if reference is not None:
+        record["prefix_agreement"] = prefix_agreement(run.token_ids, reference.token_ids)
+    return record
+
+
+def evaluate(
+    lm: LoadedModel, base: LoadedModel, prompts: Sequence[str], config: EvalConfig = EvalConfig(), progress: bool = True
+) -> dict:
+    """Decode, score and summarise (see the module docstring). Pass ``base=lm`` to score with the model itself."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    if any(not p.strip() for p in prompts):
+        raise ValueError("a prompt is empty")
+    if not same_tokenizer(lm, base):
+        raise ValueError(f"the base model {base.name!r} does not share the tokenizer of {lm.name!r}: NLLs would not compare")
+    ids = [prompt_ids(lm.tokenizer, p) for p in prompts]
+    started = time.perf_counter()
+    runs = decode_all(lm, base, ids, config, progress)
+    logger.info("decoded %d prompts in %.1f s", len(ids), time.perf_counter() - started)
+    own = Scorer(lm.model, ids)
+    scorer = own if base is lm else Scorer(base.model, ids)
+    score_all(runs, own, scorer, progress)
+    report = summarise(runs, own, scorer, list(prompts))
+    block = config.block_size or lm.meta.block_size
+    return {
+        "model": lm.name,
+        "base": base.name,
+        "block_size": block,
+        "max_new_tokens": config.max_new_tokens,
+        "device": str(lm.device),
+        "dtype": str(lm.model.dtype).removeprefix("torch."),
+        "definitions": DEFINITIONS,
+        **report,
+    }

@@ -1,0 +1,374 @@
+"""MARS training: the attention mask is METHOD.md's three rules, the streams are what decoding sees,
+the loss learns, and a trained adapter saves, loads, resumes and still decodes greedily at tau = 1.0."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mars_demo import cli
+from mars_demo.config import DecodeConfig
+from mars_demo.data import prompt_ids
+from mars_demo.decoding import collect, stream
+from mars_demo.loading import load_model
+from mars_demo.training import (
+    Example, TrainConfig, causal_lm, collate, epoch_batches, hidden_states, load_examples, mars_attention_mask,
+    micro_batches, model_mask, noisy_start, train,
+)
+
+from conftest import CORPUS, PROMPTS, make_lm, make_tokenizer
+
+# ----------------------------------------------------------------------------- mask
+
+
+def rule(q: tuple[bool, int], k: tuple[bool, int], block: int) -> bool:
+    """METHOD.md's three rules, one (stream is noisy, position) pair at a time."""
+    (q_noisy, pq), (k_noisy, pk) = q, k
+    if not q_noisy and not k_noisy:
+        return pk <= pq
+    if q_noisy and k_noisy:
+        return pk <= pq and pk // block == pq // block
+    if q_noisy and not k_noisy:
+        return pk // block < pq // block
+    return False  # clean never sees noisy
+
+
+def brute_mask(tokens: list[tuple[bool, int, bool]], block: int) -> torch.Tensor:
+    """tokens: (noisy, position, valid) per slot. Padding keys are never seen; every slot sees itself."""
+    n = len(tokens)
+    out = torch.zeros(n, n, dtype=torch.bool)
+    for i, (qn, qp, _) in enumerate(tokens):
+        for j, (kn, kp, kv) in enumerate(tokens):
+            out[i, j] = i == j or (kv and rule((qn, qp), (kn, kp), block))
+    return out
+
+
+def example(n_prompt: int, n_response: int, offset: int = 10) -> Example:
+    return Example(tuple(range(offset, offset + n_prompt)), tuple(range(100, 100 + n_response)))
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4])
+@pytest.mark.parametrize("restrict", [False, True])
+def test_mask_is_the_three_rules(block, restrict):
+    rng = random.Random(block)
+    for _ in range(6):
+        exs = [example(rng.randint(1, 9), rng.randint(1, 9)) for _ in range(3)]
+        batch = collate(exs, mask_id=1, pad_id=0, block_size=block, restrict=restrict)
+        starts = [noisy_start(len(ex.prompt), block) if restrict else 0 for ex in exs]
+        noisy_width = max(len(ex) - s for ex, s in zip(exs, starts))
+        clean_width = max(len(ex) for ex in exs)
+        assert batch.input_ids.shape == (3, noisy_width + clean_width)
+        for row, (ex, start) in enumerate(zip(exs, starts)):
+            n, l = len(ex) - start, len(ex)
+            tokens = [(True, start + i, True) for i in range(n)] + [(True, 0, False)] * (noisy_width - n)
+            tokens += [(False, i, True) for i in range(l)] + [(False, 0, False)] * (clean_width - l)
+            assert batch.attention[row, 0].equal(brute_mask(tokens, block))
+            # The input itself: prompt kept in the noisy stream, response masked, clean stream = x.
+            x = list(ex.prompt + ex.response)
+            noisy = [t if i < len(ex.prompt) else 1 for i, t in enumerate(x)][start:]
+            assert batch.input_ids[row, :n].tolist() == noisy
+            assert batch.input_ids[row, noisy_width : noisy_width + l].tolist() == x
+
+
+@pytest.mark.parametrize("block", [2, 3, 4])
+def test_restricted_mask_is_the_full_mask_restricted(block):
+    ex = example(7, 6)
+    full = collate([ex], 1, 0, block, restrict=False)
+    part = collate([ex], 1, 0, block, restrict=True)
+    start, l = noisy_start(7, block), len(ex)
+    keep = list(range(start, l)) + list(range(l, 2 * l))  # the kept noisy slots, then every clean slot
+    assert part.attention[0, 0].equal(full.attention[0, 0][keep][:, keep])
+    assert part.position_ids[0].tolist() == full.position_ids[0, keep].tolist()
+
+
+def test_targets_skip_block_starts_and_prompt():
+    block, ex = 4, example(5, 9)  # response positions 5..13
+    batch = collate([ex], mask_id=1, pad_id=0, block_size=block)
+    start, x = noisy_start(5, block), list(ex.prompt + ex.response)
+    noisy_positions = [i for i in range(5, 14) if i % block]
+    assert batch.noisy_targets.tolist() == [x[i] for i in noisy_positions]
+    assert batch.noisy_sources.tolist() == [i - 1 - start for i in noisy_positions]
+    noisy_width = 14 - start
+    assert batch.clean_targets.tolist() == x[5:]
+    assert batch.clean_sources.tolist() == [noisy_width + i - 1 for i in range(5, 14)]
+
+
+# ----------------------------------------------------------------------------- the model reads the mask
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_user_4d_mask_is_used(tiny_llama, implementation):
+    model = tiny_llama.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        ids = torch.tensor([[5, 17, 33, 8, 90, 41, 7]])
+        n = ids.shape[1]
+        plain = model(input_ids=ids).logits
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        with_mask = model(input_ids=ids, attention_mask=model_mask(causal, model, torch.float32)).logits
+        torch.testing.assert_close(with_mask, plain, rtol=1e-5, atol=1e-5)
+        only_self = torch.eye(n, dtype=torch.bool)[None, None]
+        other = model(input_ids=ids, attention_mask=model_mask(only_self, model, torch.float32)).logits
+        assert not torch.allclose(other[:, 1:], plain[:, 1:], atol=1e-3)  # the mask really changes attention
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def all_logits(model, batch) -> torch.Tensor:
+    return causal_lm(model).get_output_embeddings()(hidden_states(model, batch))
+
+
+@pytest.mark.parametrize("block", [2, 4])
+def test_streams_match_what_decoding_sees(tiny_lm, block):
+    """Clean stream = plain forward of x; noisy slot i = a causal forward of clean[:block start] + noisy[block start..i]."""
+    model, mask_id = tiny_lm.model, tiny_lm.meta.mask_token_id
+    exs = [example(6, 9), example(3, 4, offset=40)]  # two rows: padding in both streams
+    batch = collate(exs, mask_id, pad_id=0, block_size=block)
+    with torch.no_grad():
+        logits = all_logits(model, batch)
+        noisy_width = batch.input_ids.shape[1] - max(len(ex) for ex in exs)
+        for row, ex in enumerate(exs):
+            x, n_prompt = list(ex.prompt + ex.response), len(ex.prompt)
+            start = noisy_start(n_prompt, block)
+            plain = model(input_ids=torch.tensor([x])).logits[0]
+            torch.testing.assert_close(logits[row, noisy_width : noisy_width + len(x)], plain, rtol=1e-4, atol=1e-4)
+            noisy = [t if i < n_prompt else mask_id for i, t in enumerate(x)]
+            for i in range(start, len(x)):
+                first = i // block * block
+                seen = torch.tensor([x[:first] + noisy[first : i + 1]])
+                expected = model(input_ids=seen).logits[0, -1]
+                torch.testing.assert_close(logits[row, i - start], expected, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- data order
+
+
+def test_batches_cover_every_example_once_per_epoch():
+    lengths = [random.Random(i).randint(5, 50) for i in range(37)]
+    for epoch in range(2):
+        batches = epoch_batches(lengths, 4, seed=1, epoch=epoch)
+        assert sorted(i for b in batches for i in b) == list(range(37))
+    assert epoch_batches(lengths, 4, 1, 0) == epoch_batches(lengths, 4, 1, 0)
+    stream_all = micro_batches(lengths, 4, seed=1)
+    first = [next(stream_all) for _ in range(15)]
+    resumed = micro_batches(lengths, 4, seed=1, start=7)
+    assert [next(resumed) for _ in range(8)] == first[7:]  # resuming mid-run crosses the epoch boundary alike
+
+
+def test_load_examples_cuts_responses():
+    rows = [{"prompt_ids": [1, 2], "response_ids": list(range(10))}, {"prompt_ids": [1], "response_ids": []}]
+    assert load_examples(rows, 4) == [Example((1, 2), (0, 1, 2, 3))]
+
+
+# ----------------------------------------------------------------------------- training runs
+
+
+def tiny_rows(tokenizer, count: int = 8) -> list[dict]:
+    rows = []
+    for i in range(count):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        response = tokenizer(CORPUS[i % len(CORPUS)][: 40 + 7 * i])["input_ids"] + [tokenizer.eos_token_id]
+        rows.append({"prompt": prompt, "prompt_ids": prompt_ids(tokenizer, prompt), "response_ids": response})
+    return rows
+
+
+def tied_lm():
+    """A tiny Llama with tied input/output embeddings, like SmolLM2, and no tokenizer mask token."""
+    tokenizer = make_tokenizer(None)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+@pytest.fixture()
+def base_dir(tmp_path):
+    """A tiny tied base saved to disk, so it can be named as a base spec like smollm2-135m."""
+    model, tokenizer = tied_lm()
+    path = tmp_path / "base"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+FAST = dict(block_size=4, lora_rank=8, lr=1e-2, batch_size=4, save_every=100, warmup=0.1)
+
+
+def test_loss_falls(tmp_path):
+    lm = make_lm("qwen2")
+    examples = load_examples(tiny_rows(lm.tokenizer), 128)
+    result = train(lm, examples, TrainConfig(max_steps=20, **FAST), tmp_path / "run", base_spec="tiny", progress=False)
+    first, last = result.history[0], result.history[-1]
+    assert last.noisy_loss < 0.7 * first.noisy_loss and last.ar_loss < first.ar_loss
+    assert all(h.loss == pytest.approx(h.noisy_loss + h.ar_loss, abs=1e-3) for h in result.history)
+
+
+def logits_of(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def test_adapter_round_trip_tied_embeddings(tmp_path, base_dir):
+    lm = load_model(base_dir, block_size=4)
+    mask_id = lm.meta.mask_token_id
+    before = lm.model.get_input_embeddings().weight[mask_id].clone()
+    examples = load_examples(tiny_rows(lm.tokenizer), 128)
+    out = tmp_path / "run"
+    result = train(lm, examples, TrainConfig(max_steps=3, **FAST), out, base_spec=base_dir, progress=False)
+
+    for name in ("adapter_config.json", "adapter_model.safetensors", "mars.json", "loss.jsonl", "loss.png", "training.json"):
+        assert (out / name).is_file(), name
+    assert {v.dtype for v in load_file(out / "adapter_model.safetensors").values()} == {torch.float16}
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base_dir
+    assert [json.loads(line)["step"] for line in (out / "loss.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert json.loads((out / "training.json").read_text())["steps"] == 3
+
+    model = result.model
+    with torch.no_grad():  # what was saved: fp16 copies of the trained tensors
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(p.half().float())
+    merged = model.merge_and_unload().eval()
+    emb, head = merged.get_input_embeddings().weight, merged.get_output_embeddings().weight
+    assert not torch.equal(emb[mask_id], before)  # the mask row trained ...
+    assert torch.equal(emb[mask_id], head[mask_id])  # ... and stays tied to the LM head
+
+    loaded = load_model(str(out))
+    assert loaded.meta.mask_token_id == mask_id and loaded.meta.block_size == 4
+    ids = prompt_ids(lm.tokenizer, PROMPTS[0]) + [mask_id] * 3
+    torch.testing.assert_close(logits_of(loaded.model, ids), logits_of(merged, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_tau_one_is_greedy_after_training(tmp_path, base_dir):
+    lm = load_model(base_dir, block_size=4)
+    examples = load_examples(tiny_rows(lm.tokenizer), 128)
+    result = train(lm, examples, TrainConfig(max_steps=5, **FAST), tmp_path / "run", base_spec=base_dir, progress=False)
+    model = result.model.merge_and_unload().eval()
+    for prompt in PROMPTS[:2]:
+        ids = prompt_ids(lm.tokenizer, prompt)
+        config = DecodeConfig(tau=1.0, max_new_tokens=24)
+        ours = collect(stream(model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4)).token_ids
+        hf = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+            max_new_tokens=24, eos_token_id=lm.tokenizer.eos_token_id, pad_token_id=lm.tokenizer.pad_token_id,
+        )[0, len(ids):].tolist()
+        assert ours == hf[: len(ours)] and (len(ours) == len(hf) or ours[-1] == lm.tokenizer.eos_token_id)
+
+
+def trained_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_resume_continues_exactly(tmp_path):
+    config = TrainConfig(max_steps=6, **(FAST | {"save_every": 2, "batch_size": 3, "grad_accum": 2}))
+    rows = tiny_rows(make_tokenizer("<|mask|>"), count=7)
+    straight = train(make_lm("qwen2"), load_examples(rows, 128), config, tmp_path / "a", base_spec="tiny", progress=False)
+
+    out = tmp_path / "b"
+    cut = train(make_lm("qwen2"), load_examples(rows, 128), config, out, base_spec="tiny", progress=False, stop_after=3)
+    assert cut.steps == 3  # interrupted after step 3; the checkpoint is from step 2
+    with pytest.raises(ValueError, match="--resume"):
+        train(make_lm("qwen2"), load_examples(rows, 128), config, out, base_spec="tiny", progress=False)
+    grown = load_examples(rows + tiny_rows(make_tokenizer("<|mask|>"), count=2), 128)  # the data file grew meanwhile
+    resumed = train(make_lm("qwen2"), grown, config, out, base_spec="tiny", progress=False, resume=True)
+
+    assert [h.step for h in resumed.history] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(straight.history, resumed.history):
+        assert (a.loss, a.noisy_loss, a.ar_loss, a.lr) == pytest.approx((b.loss, b.noisy_loss, b.ar_loss, b.lr), abs=1e-5)
+    ours, theirs = trained_state(straight.model), trained_state(resumed.model)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+
+
+def test_init_adapter_starts_from_its_weights(tmp_path, base_dir):
+    lm = load_model(base_dir, block_size=4)
+    examples = load_examples(tiny_rows(lm.tokenizer), 128)
+    first = tmp_path / "first"
+    train(lm, examples, TrainConfig(max_steps=2, **FAST), first, base_spec=base_dir, progress=False)
+    saved = load_model(str(first))
+    ids = prompt_ids(saved.tokenizer, PROMPTS[1]) + [saved.meta.mask_token_id] * 3
+    expected = logits_of(saved.model, ids)
+
+    fresh = load_model(base_dir, block_size=4)
+    second = train(
+        fresh, examples, TrainConfig(max_steps=1, **(FAST | {"lr": 1e-9})), tmp_path / "second",
+        base_spec=base_dir, init_adapter=first, progress=False,
+    )
+    torch.testing.assert_close(logits_of(second.model.eval(), ids), expected, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_train_command(tmp_path, base_dir, capsys):
+    tokenizer = make_tokenizer(None)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in tiny_rows(tokenizer, 5)))
+    out = tmp_path / "cli"
+    argv = ["train", "--base", base_dir, "--data", str(data), "--out", str(out), "--lora-rank", "4",
+            "--max-steps", "2", "--batch-size", "2", "--save-every", "1"]
+    assert cli.main(argv) == 0
+    assert "2/2 steps" in capsys.readouterr().out
+    assert (out / "checkpoint" / "state.pt").is_file() and (out / "adapter_model.safetensors").is_file()
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["lora_rank"] == 4 and summary["lora_alpha"] == 4 and summary["examples"] == 5
+
+    assert cli.main(argv) == 2  # a checkpoint is there: refuse to overwrite it silently
+    assert "--resume" in capsys.readouterr().err
+    assert cli.main(["train", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+    assert cli.main(["train", "--data", str(data), "--out", str(out), "--batch-size", "0"]) == 2
+
+
+def test_distill_command_appends_and_resumes(tmp_path, base_dir, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS[:3]))
+    out = tmp_path / "data.jsonl"
+    argv = ["distill", "--base", base_dir, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6",
+            "--batch-size", "2"]
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["prompt"] for r in rows) == sorted(PROMPTS[:3])
+    assert all(r["prompt_ids"] and 1 <= len(r["response_ids"]) <= 6 for r in rows)
+    assert load_examples(rows, 128)  # what train reads
+    assert cli.main(argv) == 0 and len(out.read_text().splitlines()) == 3  # nothing new to do
+    assert "0 new answers" in capsys.readouterr().out
+
+
+def test_prompts_split_is_seeded():
+    from mars_demo.commands.prompts import split
+
+    items = [f"p{i}" for i in range(10)]
+    heldout, rest = split(items, 3, seed=0)
+    assert len(heldout) == 3 and sorted(heldout + rest) == sorted(items)
+    assert split(items, 3, seed=0) == (heldout, rest) and split(items, 3, seed=1) != (heldout, rest)
+    assert cli.main(["prompts", "--count", "5", "--heldout", "9", "--out-dir", "/tmp/unused"]) == 2
+
+
+def test_full_fine_tuning_saves_a_loadable_model(tmp_path, base_dir):
+    lm = load_model(base_dir, block_size=4)
+    examples = load_examples(tiny_rows(lm.tokenizer), 128)
+    out = tmp_path / "full"
+    config = TrainConfig(max_steps=2, **(FAST | {"lora_rank": None, "lr": 1e-3}))
+    result = train(lm, examples, config, out, base_spec=base_dir, progress=False)
+    loaded = load_model(str(out))
+    assert loaded.meta.mask_token_id == lm.meta.mask_token_id and loaded.meta.block_size == 4
+    ids = prompt_ids(lm.tokenizer, PROMPTS[2])
+    trained = result.model.eval()
+    with torch.no_grad():  # the saved weights are fp16 copies
+        for p in trained.parameters():
+            p.copy_(p.half().float())
+    torch.testing.assert_close(logits_of(loaded.model, ids), logits_of(trained, ids), rtol=1e-4, atol=1e-4)
