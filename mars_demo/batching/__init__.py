@@ -1,0 +1,82 @@
+"""Batch decoding: several prompts per forward pass (METHOD.md, "Block-level KV cache for batches").
+
+Two schemes, one event type (events.BatchEvent), the same acceptance and cache:
+  * "block" (block.py): the paper's block-level KV cache. Blocks of B; the prefix
+    cache is fixed while a block fills, fast rows wait at block boundaries, and
+    the filled block extends the cache in the next block's first pass.
+  * "token" (token.py): every row runs the sliding window of decoding.py at its
+    own pace, with holes in a rectangular cache instead of waiting.
+DEFAULT_SCHEME is the one that was faster on our benchmark (BENCHMARKS.md).
+With window 1 (mode "ar") both are plain batched greedy AR decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..config import DecodeConfig
+from ..data import prompt_ids
+from ..decoding import LiveTau, eos_ids
+from ..loading import LoadedModel
+from .block import block_passes
+from .events import BatchEvent, BatchGeneration, BatchStats, RowStep, collect_batch
+from .token import token_passes
+
+SCHEMES = {"block": block_passes, "token": token_passes}
+DEFAULT_SCHEME = "token"
+
+__all__ = [
+    "SCHEMES", "DEFAULT_SCHEME", "BatchEvent", "BatchGeneration", "BatchStats", "RowStep",
+    "collect_batch", "decode_batch", "stream_batch", "generate_batch",
+]
+
+
+def decode_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, scheme: str = DEFAULT_SCHEME, **settings) -> Iterator[BatchEvent]:
+    """Token space: decode ``prompts`` (token ids) with ``scheme``; settings as in block_passes / token_passes."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"batch scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    return SCHEMES[scheme](model, prompts, **settings)
+
+
+def stream_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    config: DecodeConfig,
+    *,
+    mask_id: int,
+    block_size: int,
+    scheme: str = DEFAULT_SCHEME,
+    tau: LiveTau | None = None,
+) -> Iterator[BatchEvent]:
+    """Decode token-id ``prompts`` under ``config``, one BatchEvent per batched forward pass."""
+    if config.stop:
+        raise ValueError("stop strings are not supported in batch decoding")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return decode_batch(
+        model, prompts, scheme=scheme,
+        block_size=1 if config.mode == "ar" else (config.block_size or block_size),
+        mask_id=mask_id, pad_id=pad_id, tau=tau or LiveTau(config.tau), metric=config.metric,
+        temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+        stop_ids=eos_ids(model, tokenizer), seed=config.seed,
+    )
+
+
+def generate_batch(
+    lm: LoadedModel,
+    prompts: Sequence[str | list[dict]],
+    config: DecodeConfig = DecodeConfig(),
+    *,
+    scheme: str = DEFAULT_SCHEME,
+    tau: LiveTau | None = None,
+) -> Iterator[BatchEvent]:
+    """Apply the chat template to each prompt and stream their decoding as one batch."""
+    if any(isinstance(p, str) and not p.strip() for p in prompts):
+        raise ValueError("the prompt is empty")
+    ids = [prompt_ids(lm.tokenizer, p) for p in prompts]
+    return stream_batch(
+        lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id,
+        block_size=lm.meta.block_size, scheme=scheme, tau=tau,
+    )

@@ -1,0 +1,105 @@
+"""Block-level batch decoding (METHOD.md, "Block-level KV cache for batches").
+
+The output is cut into blocks of B tokens counted from the first generated token;
+left padding puts block k at the same columns in every row. While a block fills,
+the prefix cache stays fixed: each pass re-feeds the block (accepted tokens, then
+masks) and every row accepts its confident prefix, never past the block's end.
+When every live row has filled the block, the cache is extended with it.
+
+That extension is folded into the next block's first pass, which feeds
+[filled block | B-1 masks]. It is exact: attention is causal, so the block's keys
+and values do not depend on the masks after it, and the pass equals an extension
+pass followed by a pass over the masks, with one forward pass fewer per block.
+Fast rows wait at the boundary (empty steps); a finished row leaves the batch
+(its cache row is dropped) and stays finished.
+
+Single-row semantics, which each row of a batch reproduces token for token: the
+sliding-window decoder of decoding.py with every pass's candidates capped at the
+end of the current block (batching.reference.reference_block_decode).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from ..decoding import LiveTau
+from .events import BatchEvent
+from .rows import PaddedCache, RowBook, Window, accept_rows, left_pad, limit_new_tokens
+
+
+def open_block(ext: list[list[int]], ext_attn: list[list[int]], first_pos: list[int], rooms: list[int], B: int, mask_id: int) -> Window:
+    """[filled block (or prompt) | B-1 masks]: candidates from its last token and the masks, up to B per row."""
+    return Window(
+        ids=[row + [mask_id] * (B - 1) for row in ext], attn=[row + [1] * (B - 1) for row in ext_attn],
+        first_pos=first_pos, keep=B, start=[0] * len(ext), cap=[min(B, room) for room in rooms],
+    )
+
+
+def refill_block(blocks: list[list[int]], first_pos: list[int], rooms: list[int], B: int, mask_id: int) -> Window:
+    """The block's first B-1 slots, accepted tokens then masks; a row's candidates start at its last accepted token.
+
+    A row that has filled the block re-feeds it and may accept nothing: it waits.
+    """
+    return Window(
+        ids=[(b + [mask_id] * B)[: B - 1] for b in blocks], attn=[[1] * (B - 1) for _ in blocks],
+        first_pos=first_pos, keep=B - 1, start=[len(b) - 1 for b in blocks],
+        cap=[min(B - len(b), room) for b, room in zip(blocks, rooms)],
+    )
+
+
+@torch.inference_mode()
+def block_passes(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    block_size: int,
+    mask_id: int,
+    pad_id: int,
+    tau: LiveTau,
+    metric: str = "probability",
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    stop_ids: set[int] = frozenset(),
+    seed: int | None = None,
+) -> Iterator[BatchEvent]:
+    """Decode token-id ``prompts`` together, block by block; one BatchEvent per forward pass."""
+    B, R = block_size, len(prompts)
+    max_new_tokens = limit_new_tokens(model, prompts, max_new_tokens, 2 * B)
+    ext, ext_attn = left_pad(prompts, pad_id)  # (R, W): what the next block-start pass adds to the cache
+    offset = [len(ext[0]) - len(p) for p in prompts]  # left padding: position id = column - offset
+    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    book = RowBook(R, max_new_tokens, set(stop_ids))
+    kv = PaddedCache(model, R)
+    active = list(range(R))  # rows still decoding, in cache order
+    block: list[list[int]] = [[] for _ in range(R)]  # the block being filled, per row
+    kind, index = "prefill", 0
+    while True:
+        tau_now = tau.get()
+        started = time.perf_counter()
+        first_pos, rooms = [kv.length - offset[r] for r in active], [book.room(r) for r in active]
+        if kind == "refill":
+            window = refill_block([block[r] for r in active], first_pos, rooms, B, mask_id)
+        else:
+            window = open_block(ext, ext_attn, first_pos, rooms, B, mask_id)
+        logits = kv.forward(window)  # (A, keep, vocab)
+        kv.crop(B - 1)  # the masks, or the re-fed slots: the prefix stays fixed while the block fills
+        tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
+        steps = book.commit_all(active, tokens, confs)
+        for r in active:
+            block[r] += steps[r].token_ids
+        active = kv.drop_finished(book, active)
+        seconds = time.perf_counter() - started
+        book.end_pass(seconds)
+        stats = book.stats() if not active else None
+        yield BatchEvent(index, tuple(steps), tau_now, seconds, kind, window.width, stats)
+        if stats:
+            return
+        index += 1
+        kind = "block-start" if all(len(block[r]) == B for r in active) else "refill"
+        if kind == "block-start":  # every live row has filled the block: the next pass extends the cache with it
+            ext, ext_attn = [block[r] for r in active], [[1] * B for _ in active]
+            block = [[] for _ in range(R)]

@@ -1,0 +1,98 @@
+"""What a batch decoder yields: one BatchEvent per batched forward pass, the run's totals on the last.
+
+Each event carries, per row, the tokens that pass accepted for it and their
+confidences (a row waiting at a block boundary, or already finished, gets an empty
+step), the tau in force and the pass's seconds, like decoding.StepEvent does for
+one sequence. Per-row totals are decoding.RunStats, so one row of a batch reads
+exactly like a single-sequence run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..decoding import RunStats
+
+
+@dataclass(frozen=True)
+class RowStep:
+    """What one pass did for one row."""
+
+    token_ids: tuple[int, ...] = ()
+    confidences: tuple[float, ...] = ()
+    finish: str | None = None  # "eos" or "length" on the pass that ended the row
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Totals of a batch run.
+
+    rows: per row, its tokens, the passes it was live for (waiting passes count: they
+      cost it time), the seconds until it finished, and why it finished.
+    forward_passes, seconds: batched forward passes and wall-clock seconds of the run.
+    """
+
+    rows: tuple[RunStats, ...]
+    forward_passes: int
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(row.tokens for row in self.rows)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens a row gains per pass while it is live, averaged over rows (1.0 for AR at any batch size)."""
+        return sum(row.tokens_per_forward for row in self.rows) / max(len(self.rows), 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    """One batched forward pass.
+
+    kind: "prefill", "block-start" (extends the cache with the filled block and
+      opens the next), "refill" (re-feeds the block being filled) or "window"
+      (token-level: accepted tokens + masks).
+    fed: columns fed per row in this pass (the cost of the pass grows with it).
+    """
+
+    index: int
+    rows: tuple[RowStep, ...]
+    tau: float
+    seconds: float
+    kind: str
+    fed: int
+    stats: BatchStats | None = None  # totals, on the final event only
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(row.token_ids) for row in self.rows)
+
+    @property
+    def done(self) -> bool:
+        return self.stats is not None
+
+
+@dataclass
+class BatchGeneration:
+    """A finished batch run, collected from its events."""
+
+    events: list[BatchEvent] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        rows = len(self.events[0].rows) if self.events else 0
+        return [[t for e in self.events for t in e.rows[r].token_ids] for r in range(rows)]
+
+    @property
+    def stats(self) -> BatchStats:
+        return self.events[-1].stats
+
+
+def collect_batch(events: Iterable[BatchEvent]) -> BatchGeneration:
+    return BatchGeneration(list(events))

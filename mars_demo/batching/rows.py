@@ -1,0 +1,201 @@
+"""The parts both batch decoders share: padded cache, per-row acceptance, per-row bookkeeping.
+
+Rows of different lengths live in one rectangular KV cache. A column a row does
+not use (left padding, a hole) has attention mask 0, and every real column gets
+the row's own position id, so each row sees exactly the context it would see
+alone. Rolling back is cropping the cache's last columns together with their
+attention-mask columns, never a copy. A row that finishes leaves the batch: its
+cache row is dropped, so it costs nothing afterwards and cannot touch the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from ..acceptance import accept_count, choose, confidence
+from ..decoding import RunStats, context_limit
+from .events import BatchStats, RowStep
+
+
+@dataclass(frozen=True)
+class Window:
+    """What one pass feeds, per active row, and where each row reads its candidates.
+
+    ids, attn: (rows, width) tokens and their mask (0 = padding or hole).
+    first_pos: position id of each row's first fed column (holes may get any position).
+    keep: logits are read from the last ``keep`` columns; row r's candidate 1 is
+      read at column start[r] of those, and it may accept at most cap[r] tokens.
+    """
+
+    ids: list[list[int]]
+    attn: list[list[int]]
+    first_pos: list[int]
+    keep: int
+    start: list[int]
+    cap: list[int]
+
+    @property
+    def width(self) -> int:
+        return len(self.ids[0])
+
+
+class PaddedCache:
+    """A DynamicCache plus the attention mask of its columns; both grow and crop together."""
+
+    def __init__(self, model: PreTrainedModel, rows: int) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.attn = torch.zeros((rows, 0), dtype=torch.long, device=model.device)  # (rows, columns)
+
+    @property
+    def length(self) -> int:
+        return self.attn.shape[1]
+
+    def forward(self, window: Window) -> torch.Tensor:
+        """Feed one window (rows, width); logits (rows, keep, vocab) of its last ``keep`` columns."""
+        device = self.attn.device
+        self.attn = torch.cat([self.attn, torch.tensor(window.attn, device=device)], dim=1)
+        first = torch.tensor(window.first_pos, device=device)[:, None]
+        positions = (first + torch.arange(window.width, device=device)).clamp_min(0)  # (rows, width)
+        out = self.model(
+            input_ids=torch.tensor(window.ids, device=device), attention_mask=self.attn, position_ids=positions,
+            past_key_values=self.cache, use_cache=True, logits_to_keep=window.keep,
+        )
+        return out.logits
+
+    def crop(self, columns: int) -> None:
+        """Drop the last ``columns`` columns (masks, a re-fed block) from the cache and the mask."""
+        if columns > 0:
+            self.cache.crop(-columns)
+            self.attn = self.attn[:, :-columns]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these rows (finished rows leave the batch, so they stop costing compute)."""
+        index = torch.tensor(rows, device=self.attn.device)
+        self.cache.batch_select_indices(index)
+        self.attn = self.attn[index]
+
+    def drop_finished(self, book: RowBook, active: list[int]) -> list[int]:
+        """The active rows that are still live; the others leave the cache."""
+        still = [i for i, r in enumerate(active) if book.live(r)]
+        if still and len(still) < len(active):
+            self.keep_rows(still)
+        return [active[i] for i in still]
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Token rows padded on the left to ``width`` (default: the longest), and their 0/1 attention masks."""
+    width = max(len(r) for r in rows) if width is None else width
+    ids = [[pad_id] * (width - len(r)) + list(r) for r in rows]
+    attn = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+    return ids, attn
+
+
+def accept_rows(
+    logits: torch.Tensor,
+    start: list[int],
+    cap: list[int],
+    tau: float,
+    metric: str = "probability",
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's candidates and accepted prefix, with a single host sync for the whole batch.
+
+    logits: (rows, window, vocab). Row r's candidates are the outputs at columns
+    start[r], start[r] + 1, ... of the window; it may accept at most cap[r] of them
+    (0 for a row that is waiting or finished). Candidate 1 is always accepted
+    when cap[r] >= 1, the rest by acceptance.accept_count.
+    """
+    rows, window = logits.shape[:2]
+    device = logits.device
+    tokens, probs = choose(logits, temperature, generator)  # (rows, window), (rows, window, vocab)
+    conf = confidence(probs, tokens, metric)  # (rows, window)
+    index = (torch.tensor(start, device=device)[:, None] + torch.arange(window, device=device)).clamp(0, window - 1)
+    tokens, conf = tokens.gather(1, index), conf.gather(1, index)  # candidates 1..window of each row
+    n = accept_count(conf, tau, metric).minimum(torch.tensor(cap, device=device))  # (rows,)
+    packed = torch.cat([tokens.double(), conf.double(), n.double()[:, None]], dim=1).tolist()
+    out_tokens, out_conf = [], []
+    for row in packed:
+        k = int(row[-1])
+        out_tokens.append([int(t) for t in row[:k]])
+        out_conf.append(row[window : window + k])
+    return out_tokens, out_conf
+
+
+def limit_new_tokens(model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, lookahead: int) -> int:
+    """``max_new_tokens``, lowered so that no fed column (``lookahead`` past the last token) passes the context."""
+    if not prompts:
+        raise ValueError("no prompts to decode")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("the prompt is empty")
+    width = max(len(p) for p in prompts)
+    room = context_limit(model) - width - lookahead
+    if room < 1:
+        raise ValueError(f"the longest prompt is {width} tokens; this model's context is {context_limit(model)} tokens")
+    return min(max_new_tokens, room)
+
+
+class RowBook:
+    """Host-side account of every row: tokens produced, whether and why it finished, its passes and time."""
+
+    def __init__(self, rows: int, max_new_tokens: int, stop_ids: set[int]) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = stop_ids
+        self.produced = [0] * rows
+        self.finish: list[str | None] = [None] * rows
+        self.passes = [0] * rows
+        self.seconds = [0.0] * rows
+        self.total_passes = 0
+        self.total_seconds = 0.0
+        self._in_pass: list[int] = []
+
+    def live(self, r: int) -> bool:
+        return self.finish[r] is None
+
+    def room(self, r: int) -> int:
+        return self.max_new_tokens - self.produced[r] if self.live(r) else 0
+
+    def commit(self, r: int, tokens: list[int], confs: list[float]) -> RowStep:
+        """Record what one pass accepted for row r, cut at its first stop token or its token limit."""
+        if not self.live(r):
+            return RowStep()
+        self.passes[r] += 1
+        self._in_pass.append(r)
+        tokens = tokens[: self.room(r)]
+        finish = None
+        for i, token in enumerate(tokens):
+            if token in self.stop_ids:
+                tokens, finish = tokens[: i + 1], "eos"
+                break
+        self.produced[r] += len(tokens)
+        if finish is None and self.produced[r] >= self.max_new_tokens:
+            finish = "length"
+        self.finish[r] = finish
+        return RowStep(tuple(tokens), tuple(confs[: len(tokens)]), finish)
+
+    def commit_all(self, active: list[int], tokens: list[list[int]], confs: list[list[float]]) -> list[RowStep]:
+        """One step per row of the batch: the active rows' accepted tokens, empty steps for the rest."""
+        steps = [RowStep()] * len(self.produced)
+        for i, r in enumerate(active):
+            steps[r] = self.commit(r, tokens[i], confs[i])
+        return steps
+
+    def end_pass(self, seconds: float) -> None:
+        """Close a pass: it cost ``seconds`` to the batch and to every row that was live in it."""
+        self.total_passes += 1
+        self.total_seconds += seconds
+        for r in self._in_pass:
+            self.seconds[r] = self.total_seconds
+        self._in_pass = []
+
+    def stats(self) -> BatchStats:
+        rows = tuple(
+            RunStats(self.produced[r], self.passes[r], self.seconds[r], self.finish[r] or "length")
+            for r in range(len(self.produced))
+        )
+        return BatchStats(rows, self.total_passes, self.total_seconds)

@@ -1,0 +1,395 @@
+"""Benchmark: every decoder on the same prompts, model, device and dtype, warmed up, quality beside speed.
+
+Runs (method, tau, batch size), each over all prompts:
+  hf_generate       transformers ``generate``, greedy, KV cache: the reference AR (batch 1)
+  ar                this project's AR decoder (decoding.stream, mode "ar")
+  mars              MARS sliding window (decoding.stream) at each tau
+  prompt_lookup     transformers prompt-lookup decoding: the training-free peer (batch 1 only)
+  ar_batch          transformers ``generate`` with left padding, at each batch size > 1
+  ar_batch_ours     batching.token_passes with window 1: our batched greedy AR
+  mars_batch        block-level batch decoder (the paper's scheme) at each tau
+  mars_batch_token  token-level batch decoder at each tau
+
+Figures per run:
+  tokens_per_second  generated tokens / wall-clock seconds of the decoding calls
+  tokens_per_forward tokens / forward passes while the row was live, token-weighted
+                     over rows (AR = 1.0 at any batch size; waiting passes count)
+  speedup            tokens_per_second / that of the faster AR run at the same batch size
+  delta_nll          NLL per token of the outputs, teacher-forced by the same model one
+                     token at a time, minus that of hf_generate's outputs
+  agreement          mean over prompts of (length of the common prefix with hf_generate's
+                     output) / (length of the longer of the two): 1.0 = identical
+Each run is warmed up (same code path, first prompts, a few tokens) before it is timed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from .batching import collect_batch, stream_batch
+from .batching.rows import left_pad
+from .config import DecodeConfig, check_tau
+from .data import prompt_ids
+from .decoding import collect, eos_ids, stream
+from .evaluation import Scorer, pooled_nll, prefix_agreement
+from .loading import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+SINGLE = ("hf_generate", "ar", "mars", "prompt_lookup")
+BATCHED = ("ar_batch", "ar_batch_ours", "mars_batch", "mars_batch_token")
+METHODS = SINGLE + BATCHED
+AR_METHODS = ("hf_generate", "ar", "ar_batch", "ar_batch_ours")
+TAU_METHODS = ("mars", "mars_batch", "mars_batch_token")
+SCHEME = {"ar_batch_ours": "token", "mars_batch": "block", "mars_batch_token": "token"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run. Batch methods run at every batch size above 1; hf_generate always runs (the reference)."""
+
+    taus: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8, 0.7)
+    batch_sizes: tuple[int, ...] = (1, 4, 8)
+    block_size: int | None = None  # None: the checkpoint's
+    max_new_tokens: int = 256
+    methods: tuple[str, ...] = METHODS
+    prompt_lookup_tokens: int = 10
+    warmup_tokens: int = 16
+    profile_tau: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not self.taus:
+            raise ValueError("give at least one tau")
+        for tau in self.taus + (self.profile_tau,):
+            check_tau(tau)
+        if not self.batch_sizes or any(int(b) != b or b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be integers of at least 1, got {self.batch_sizes}")
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; known: {', '.join(METHODS)}")
+        DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens)  # same ranges as decoding
+
+
+@dataclass(frozen=True)
+class Job:
+    method: str
+    tau: float | None
+    batch_size: int
+
+
+@dataclass
+class Outcome:
+    """One job over all prompts: outputs in prompt order, and what producing them cost."""
+
+    outputs: list[list[int]] = field(default_factory=list)
+    row_passes: list[int] = field(default_factory=list)  # per prompt: passes while its row was live
+    forward_passes: int = 0  # batched forward calls
+    seconds: float = 0.0
+
+
+def plan(config: BenchConfig) -> list[Job]:
+    """The jobs in running order: hf_generate first (every run is compared with its outputs)."""
+    taus = tuple(dict.fromkeys(config.taus))
+
+    def jobs_for(methods: Sequence[str], batch_size: int) -> list[Job]:
+        wanted = [m for m in methods if m in config.methods and m != "hf_generate"]
+        fixed = lambda m: (None,) if m == "prompt_lookup" else (1.0,)  # noqa: E731
+        return [Job(m, t, batch_size) for m in wanted for t in (taus if m in TAU_METHODS else fixed(m))]
+
+    jobs = [Job("hf_generate", 1.0, 1)]
+    if 1 in config.batch_sizes:
+        jobs += jobs_for(SINGLE, 1)
+    for b in sorted(b for b in set(config.batch_sizes) if b > 1):
+        jobs += jobs_for(BATCHED, b)
+    return jobs
+
+
+def _chunks(items: Sequence, size: int) -> Iterator[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _sync(model: PreTrainedModel) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
+@contextmanager
+def counting_forwards(model: PreTrainedModel) -> Iterator[list[int]]:
+    """Count the model's forward calls while the block runs (a hook, removed afterwards)."""
+    count = [0]
+    handle = model.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+    try:
+        yield count
+    finally:
+        handle.remove()
+
+
+def cut_at_stop(row: list[int], stop_ids: set[int]) -> list[int]:
+    """A generated row up to and including its first stop token (transformers pads after it)."""
+    for i, token in enumerate(row):
+        if token in stop_ids:
+            return row[: i + 1]
+    return row
+
+
+Tick = Callable[[int], object]  # progress: called with the number of prompts just finished
+
+
+def _no_tick(_: int) -> None:
+    pass
+
+
+def run_hf(lm: LoadedModel, prompts: list[list[int]], batch_size: int, max_new: int, tick: Tick = _no_tick, **extra) -> Outcome:
+    """transformers ``generate``, greedy, left-padded batches; ``extra`` e.g. prompt_lookup_num_tokens."""
+    model, tok = lm.model, lm.tokenizer
+    stop = eos_ids(model, tok)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    result = Outcome()
+    for chunk in _chunks(prompts, batch_size):
+        ids, attn = left_pad(chunk, pad)
+        ids_t, attn_t = torch.tensor(ids, device=model.device), torch.tensor(attn, device=model.device)
+        with counting_forwards(model) as count:
+            started = time.perf_counter()
+            out = model.generate(
+                ids_t, attention_mask=attn_t, do_sample=False, max_new_tokens=max_new,
+                eos_token_id=sorted(stop), pad_token_id=pad, **extra,
+            )
+            _sync(model)
+            result.seconds += time.perf_counter() - started
+        rows = [cut_at_stop(row, stop) for row in out[:, len(ids[0]) :].tolist()]
+        result.outputs += rows
+        result.forward_passes += count[0]
+        # greedy generate: one token per pass per live row; assisted (batch 1): its passes
+        result.row_passes += [count[0]] if extra else [len(r) for r in rows]
+        tick(len(chunk))
+    return result
+
+
+def run_single(lm: LoadedModel, prompts: list[list[int]], config: DecodeConfig, tick: Tick = _no_tick) -> Outcome:
+    """decoding.stream, one prompt at a time."""
+    result = Outcome()
+    for ids in prompts:
+        started = time.perf_counter()
+        gen = collect(stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=lm.meta.block_size))
+        _sync(lm.model)
+        result.seconds += time.perf_counter() - started
+        result.outputs.append(gen.token_ids)
+        result.forward_passes += gen.stats.forward_passes
+        result.row_passes.append(gen.stats.forward_passes)
+        tick(1)
+    return result
+
+
+def run_batch(
+    lm: LoadedModel, prompts: list[list[int]], batch_size: int, config: DecodeConfig, scheme: str, tick: Tick = _no_tick
+) -> Outcome:
+    """batching.stream_batch over consecutive chunks of ``batch_size`` prompts."""
+    result = Outcome()
+    for chunk in _chunks(prompts, batch_size):
+        started = time.perf_counter()
+        gen = collect_batch(stream_batch(
+            lm.model, lm.tokenizer, chunk, config, mask_id=lm.meta.mask_token_id,
+            block_size=lm.meta.block_size, scheme=scheme,
+        ))
+        _sync(lm.model)
+        result.seconds += time.perf_counter() - started
+        result.outputs += gen.token_ids
+        result.forward_passes += gen.stats.forward_passes
+        result.row_passes += [row.forward_passes for row in gen.stats.rows]
+        tick(len(chunk))
+    return result
+
+
+def run_job(
+    lm: LoadedModel, job: Job, prompts: list[list[int]], config: BenchConfig, max_new: int, tick: Tick = _no_tick
+) -> Outcome:
+    if job.method in ("hf_generate", "ar_batch"):
+        return run_hf(lm, prompts, job.batch_size, max_new, tick)
+    if job.method == "prompt_lookup":
+        return run_hf(lm, prompts, 1, max_new, tick, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
+    mode = "ar" if job.method in AR_METHODS else "mars"
+    decode = DecodeConfig(mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new)
+    if job.method in ("ar", "mars"):
+        return run_single(lm, prompts, decode, tick)
+    return run_batch(lm, prompts, job.batch_size, decode, SCHEME[job.method], tick)
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean over prompts of common-prefix length / length of the longer output (1.0 = identical)."""
+    scores = [prefix_agreement(o, r) for o, r in zip(outputs, reference)]
+    return sum(scores) / max(len(scores), 1)
+
+
+def nll_per_token(scorer: Scorer, outputs: list[list[int]]) -> float:
+    """Teacher-forced NLL per token of all outputs, token-weighted over prompts (evaluation.py's definition)."""
+    return pooled_nll([scorer(i, out) for i, out in enumerate(outputs)])
+
+
+def machine(model: PreTrainedModel) -> dict:
+    """The machine and software the numbers were taken on."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    desc = {
+        "cpu": cpu,
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "attention": getattr(model.config, "_attn_implementation", None),
+    }
+    if model.device.type == "cuda":
+        desc["gpu"] = torch.cuda.get_device_name(model.device)
+    return desc
+
+
+def summarise(job: Job, outcome: Outcome, reference: list[list[int]], scorer: Scorer, ref_nll: float) -> dict:
+    tokens = sum(map(len, outcome.outputs))
+    nll = nll_per_token(scorer, outcome.outputs)
+    return {
+        "method": job.method,
+        "scheme": SCHEME.get(job.method),
+        "tau": job.tau,
+        "batch_size": job.batch_size,
+        "prompts": len(outcome.outputs),
+        "tokens": tokens,
+        "seconds": round(outcome.seconds, 4),
+        "tokens_per_second": round(tokens / outcome.seconds, 3) if outcome.seconds > 0 else 0.0,
+        "forward_passes": outcome.forward_passes,
+        "tokens_per_forward": round(tokens / max(sum(outcome.row_passes), 1), 4),
+        "nll": round(nll, 5),
+        "delta_nll": round(nll - ref_nll, 5),
+        "agreement": round(agreement(outcome.outputs, reference), 4),
+        "exact_match": round(sum(o == r for o, r in zip(outcome.outputs, reference)) / max(len(reference), 1), 4),
+    }
+
+
+def add_speedups(runs: list[dict]) -> None:
+    """speedup = tokens/s over the faster AR run at the same batch size (None where there is none)."""
+    for run in runs:
+        ars = [r for r in runs if r["method"] in AR_METHODS and r["batch_size"] == run["batch_size"]]
+        best = max(ars, key=lambda r: r["tokens_per_second"], default=None)
+        ok = best is not None and best["tokens_per_second"] > 0
+        run["speedup"] = round(run["tokens_per_second"] / best["tokens_per_second"], 4) if ok else None
+        run["speedup_over"] = best["method"] if ok else None
+
+
+class PassClock:
+    """Forward hooks timing the model body (embeddings + layers) and the LM head across passes."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.parts = {"forward_body": model.get_decoder(), "lm_head": model.get_output_embeddings()}
+        self.seconds = dict.fromkeys(self.parts, 0.0)
+        self._started: dict[str, float] = {}
+        self._handles: list = []
+
+    def _pre(self, name: str):
+        def hook(*_):
+            _sync(self.model)  # on a GPU, charge queued work to the part that queued it
+            self._started[name] = time.perf_counter()
+        return hook
+
+    def _post(self, name: str):
+        def hook(*_):
+            _sync(self.model)
+            self.seconds[name] += time.perf_counter() - self._started.pop(name)
+        return hook
+
+    def __enter__(self) -> PassClock:
+        for name, module in self.parts.items():
+            self._handles += [module.register_forward_pre_hook(self._pre(name)), module.register_forward_hook(self._post(name))]
+        return self
+
+    def __exit__(self, *_) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def profile_passes(
+    lm: LoadedModel, prompts: list[list[int]], tau: float, block_size: int, max_new_tokens: int,
+    *, limit: int = 4, progress: bool = False,
+) -> dict:
+    """Where a batch-1 pass spends its time: model body, LM head, and the rest (acceptance, cache crop, host).
+
+    MARS at ``tau`` and the AR decoder, on the first ``limit`` prompts; milliseconds per pass.
+    """
+    profile: dict = {"tau": tau, "block_size": block_size, "prompts": min(limit, len(prompts))}
+    for mode in ("mars", "ar"):
+        config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
+        passes = tokens = 0
+        seconds = 0.0
+        with PassClock(lm.model) as clock:
+            for ids in tqdm(prompts[:limit], desc=f"profile {mode}", disable=not progress, leave=False):
+                for event in stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=block_size):
+                    passes, tokens, seconds = passes + 1, tokens + len(event.token_ids), seconds + event.seconds
+        parts = {**clock.seconds, "acceptance_and_host": max(seconds - sum(clock.seconds.values()), 0.0)}
+        profile[mode] = {
+            "passes": passes,
+            "tokens_per_forward": round(tokens / max(passes, 1), 4),
+            "ms_per_pass": {k: round(1000 * v / max(passes, 1), 4) for k, v in parts.items()} | {"total": round(1000 * seconds / max(passes, 1), 4)},
+            "share": {k: round(v / seconds, 4) if seconds > 0 else 0.0 for k, v in parts.items()},
+        }
+    return profile
+
+
+def run_benchmark(
+    lm: LoadedModel,
+    prompts: list[str],
+    config: BenchConfig = BenchConfig(),
+    *,
+    progress: bool = True,
+    on_run: Callable[[dict], None] | None = None,
+) -> dict:
+    """Run every planned job on ``prompts`` (chat template applied) and return the report (a dict)."""
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    ids = [prompt_ids(lm.tokenizer, p) for p in prompts]
+    jobs = plan(config)
+    runs, outcomes = [], {}
+    scorer = Scorer(lm.model, ids)
+    bar = tqdm(total=len(jobs) * len(ids), desc="bench", unit="prompt", disable=not progress)
+    for job in jobs:
+        bar.set_postfix_str(f"{job.method} tau={job.tau} b={job.batch_size}")
+        run_job(lm, job, ids[: job.batch_size], config, config.warmup_tokens)  # warm-up, not timed
+        outcome = run_job(lm, job, ids, config, config.max_new_tokens, bar.update)
+        outcomes[job] = outcome
+        reference = outcomes[jobs[0]].outputs
+        ref_nll = nll_per_token(scorer, reference)
+        runs.append(summarise(job, outcome, reference, scorer, ref_nll))
+        logger.info("%s", runs[-1])
+        if on_run:
+            on_run(runs[-1])
+    bar.close()
+    add_speedups(runs)
+    block = config.block_size or lm.meta.block_size
+    profile = profile_passes(lm, ids, config.profile_tau, block, config.max_new_tokens, progress=progress)
+    return {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": lm.name,
+        "machine": machine(lm.model),
+        "settings": {**asdict(config), "block_size": block, "prompts": len(prompts)},
+        "runs": runs,
+        "profile": profile,
+    }

@@ -1,0 +1,93 @@
+"""``bench``: time every decoder on the same prompts and write report.json, an offline HTML report and a table."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from ..bench import METHODS, BenchConfig, run_benchmark
+from ..cli import UserError, add_model_argument
+from ..data import read_prompts
+from ..loading import load_model
+from ..report import format_table, write_report
+
+HELP = "benchmark HF generate, our AR, MARS, batch decoding and prompt lookup: speed and quality"
+DEFAULTS = BenchConfig()
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--prompts", type=Path, required=True, help="JSON list of prompts, or one prompt per line")
+    parser.add_argument("--taus", default=",".join(f"{t:g}" for t in DEFAULTS.taus), help="comma-separated taus in [0, 1]")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULTS.batch_sizes)), help="comma-separated batch sizes")
+    parser.add_argument("--block-size", type=int, default=None, help="candidates per pass / block size (default: the checkpoint's)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
+    parser.add_argument("--out", type=Path, default=Path("report.json"), help="report path; the HTML report goes beside it")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def parse_config(args: argparse.Namespace) -> BenchConfig:
+    try:
+        taus = tuple(float(t) for t in _csv(args.taus))
+    except ValueError:
+        raise UserError(f"--taus must be comma-separated numbers in [0, 1], got {args.taus!r}") from None
+    try:
+        batch_sizes = tuple(int(b) for b in _csv(args.batch_sizes))
+    except ValueError:
+        raise UserError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    try:
+        return BenchConfig(
+            taus=taus, batch_sizes=batch_sizes, block_size=args.block_size,
+            max_new_tokens=args.max_new_tokens, methods=tuple(_csv(args.methods)),
+        )
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
+    """The command that reproduces this run, every setting spelled out."""
+    parts = ["python", "-m", "mars_demo", "bench", "--model", args.model, "--prompts", str(args.prompts),
+             "--taus", ",".join(f"{t:g}" for t in config.taus), "--batch-sizes", ",".join(map(str, config.batch_sizes)),
+             "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods), "--out", str(args.out)]
+    for flag, value in (("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):
+        if value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = parse_config(args)  # every value checked before the model loads
+    if not args.prompts.is_file():
+        raise UserError(f"prompts file not found: {args.prompts}")
+    prompts = read_prompts(args.prompts)
+    if args.limit is not None:
+        if args.limit < 1:
+            raise UserError(f"--limit must be at least 1, got {args.limit}")
+        prompts = prompts[: args.limit]
+    if not prompts:
+        raise UserError(f"no prompts in {args.prompts}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model, block_size=args.block_size, device=args.device)
+    report = run_benchmark(lm, prompts, config)
+    report = {"command": command_line(args, config), "argv": sys.argv, **report}
+    html_path = write_report(report, args.out)
+    print(format_table(report["runs"]))
+    profile = report["profile"]["mars"]["ms_per_pass"]
+    print(f"\nMARS pass at batch 1, tau {report['profile']['tau']:g}: "
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in profile.items()))
+    print(f"\nwrote {args.out} and {html_path}")
+    return 0

@@ -1,0 +1,92 @@
+"""The bench command: a tiny end-to-end run writes the report and the HTML page; bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mars_demo import cli
+from mars_demo.bench import METHODS, BenchConfig, add_speedups, agreement, cut_at_stop, plan
+from mars_demo.commands import bench as bench_command
+
+from conftest import PROMPTS, make_lm
+
+RUN_KEYS = {
+    "method", "tau", "batch_size", "tokens_per_second", "tokens_per_forward", "speedup", "delta_nll",
+    "agreement", "forward_passes", "tokens", "seconds",
+}
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(PROMPTS[:2]))
+    return path
+
+
+def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsys):
+    lm = make_lm("qwen2")
+    monkeypatch.setattr(bench_command, "load_model", lambda *a, **k: lm)
+    out = tmp_path / "out" / "report.json"
+    code = cli.main([
+        "bench", "--model", "tiny", "--prompts", str(prompts_file), "--taus", "1.0,0.1",
+        "--batch-sizes", "1,2", "--max-new-tokens", "6", "--out", str(out),
+    ])
+    assert code == 0
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert {r["method"] for r in runs} == set(METHODS)
+    for run in runs:
+        assert RUN_KEYS <= set(run), run["method"]
+        assert run["tokens"] > 0 and run["forward_passes"] > 0 and run["seconds"] > 0
+    by = {(r["method"], r["tau"], r["batch_size"]): r for r in runs}
+    # tau = 1.0 is greedy AR: same text as transformers generate, hence no quality change
+    for key in [("ar", 1.0, 1), ("mars", 1.0, 1), ("mars_batch", 1.0, 2), ("mars_batch_token", 1.0, 2), ("ar_batch_ours", 1.0, 2)]:
+        assert by[key]["agreement"] == 1.0 and by[key]["delta_nll"] == pytest.approx(0.0, abs=1e-4)
+    assert by[("mars", 0.1, 1)]["tokens_per_forward"] > 1.0
+    assert {"cpu", "cpu_cores", "torch_threads", "torch", "transformers", "device", "dtype"} <= set(report["machine"])
+    assert report["command"].startswith("python -m mars_demo bench ") and "--taus 1,0.1" in report["command"]
+    assert set(report["profile"]["mars"]["ms_per_pass"]) >= {"forward_body", "lm_head", "acceptance_and_host"}
+    page = out.with_suffix(".html").read_text()
+    assert "plotly" in page.lower() and '<script src="http' not in page  # plotly.js inlined: opens offline
+    printed = capsys.readouterr().out
+    assert "mars_batch_token" in printed and "tok/s" in printed
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompts", "/nonexistent/prompts.json"], "prompts file not found"),
+    (["--taus", "1.0,abc"], "--taus"),
+    (["--taus", "1.5"], "tau must be between 0 and 1"),
+    (["--batch-sizes", "0"], "batch sizes"),
+    (["--batch-sizes", "2,x"], "--batch-sizes"),
+    (["--methods", "ar,warp"], "unknown method"),
+    (["--limit", "0"], "--limit"),
+])
+def test_bad_input_is_one_line_exit_2(prompts_file, flags, message, monkeypatch, capsys):
+    monkeypatch.setattr(bench_command, "load_model", lambda *a, **k: pytest.fail("loaded a model on bad input"))
+    args = ["bench", "--prompts", str(prompts_file), *flags]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_plan_always_has_the_reference_and_batch_methods_above_one():
+    jobs = plan(BenchConfig(taus=(1.0, 0.9), batch_sizes=(4,), methods=("mars", "mars_batch")))
+    assert jobs[0].method == "hf_generate"
+    assert [(j.method, j.tau, j.batch_size) for j in jobs[1:]] == [("mars_batch", 1.0, 4), ("mars_batch", 0.9, 4)]
+
+
+def test_agreement_and_helpers():
+    assert agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
+    assert agreement([[1, 2]], [[1, 2, 3, 4]]) == 0.5
+    assert agreement([[]], [[]]) == 1.0
+    assert cut_at_stop([5, 2, 2, 2], {2}) == [5, 2]
+    runs = [
+        {"method": "hf_generate", "batch_size": 1, "tokens_per_second": 10.0},
+        {"method": "ar", "batch_size": 1, "tokens_per_second": 12.0},
+        {"method": "mars", "batch_size": 1, "tokens_per_second": 24.0},
+        {"method": "mars_batch", "batch_size": 4, "tokens_per_second": 30.0},
+    ]
+    add_speedups(runs)
+    assert runs[2]["speedup"] == 2.0 and runs[2]["speedup_over"] == "ar" and runs[3]["speedup"] is None
