@@ -1,0 +1,172 @@
+"""MARS, live: watch a MARS checkpoint accept several tokens per forward pass, racing the AR baseline.
+
+``python app.py`` serves the app locally (GRADIO_SERVER_NAME / GRADIO_SERVER_PORT set
+where it listens, as for any Gradio app); the same file runs unchanged as a Hugging
+Face Space. ``build_demo`` builds the UI around an injectable model loader; the
+module-level ``demo`` loads no model at import time: the first page load (or run)
+loads the default into the shared cache.
+
+Environment: MARS_DEMO_CONCURRENCY (decoding runs at once, default 1: on a small
+CPU, one race at a time keeps its timings honest), MARS_DEMO_MODELS (models kept in
+memory, default 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import gradio as gr
+
+from mars_demo.config import DecodeConfig, METRICS, RANGES
+from mars_demo.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_model
+from mars_demo.ui.examples import EXAMPLE_PROMPTS
+from mars_demo.ui.handlers import SWEEP_COLUMNS, DemoHandlers, empty_figures
+from mars_demo.ui.models import Loader, model_choices
+from mars_demo.ui.race import Session
+from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
+
+DEFAULTS = DecodeConfig()
+SWEEP_TAUS = (0.99, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.3)
+SWEEP_DEFAULT_TAUS = [0.95, 0.9, 0.8, 0.7, 0.5]
+SWEEP_MAX_NEW_TOKENS = 64
+
+THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="teal", neutral_hue="slate")
+CSS = """
+#title h1 { margin-bottom: 0; }
+#title p { margin-top: 4px; color: var(--body-text-color-subdued); }
+#run-row button { min-width: 110px; }
+.plot-cell { min-height: 300px; }
+"""
+
+INTRO = """# MARS · several tokens per forward pass
+The same weights decode twice, side by side: **MARS** appends mask tokens and accepts every leading guess
+whose confidence clears **tau**, the **AR baseline** takes one token per pass. Passes alternate between the two
+so the race is fair; each clock counts only its own passes. Drag **tau** while a run is going: the next pass uses it.
+"""
+
+SWEEP_INTRO = """Each chosen prompt is decoded by the AR baseline and by MARS at every chosen tau, plus tau = 1.0
+(one token per pass), the reference for **agreement** (difflib ratio of token ids, 1.0 = identical output).
+Model, block size, metric and temperature come from the sidebar."""
+
+
+def _slider(name: str, label: str, value, info: str | None = None, **kwargs) -> gr.Slider:
+    low, high, step = RANGES[name]
+    return gr.Slider(minimum=low, maximum=high, step=step, value=value, label=label, info=info, **kwargs)
+
+
+def build_demo(loader: Loader = load_model, *, concurrency: int | None = None, models_in_memory: int | None = None) -> gr.Blocks:
+    """The whole app; ``loader(spec) -> LoadedModel`` is called lazily, never while building."""
+    concurrency = concurrency or int(os.environ.get("MARS_DEMO_CONCURRENCY", "1"))
+    capacity = models_in_memory or int(os.environ.get("MARS_DEMO_MODELS", "1"))
+    handlers = DemoHandlers(loader, capacity=capacity)
+
+    with gr.Blocks(title="MARS · multi-token generation", fill_width=True, delete_cache=(3600, 3600)) as demo:
+        # A new Session (its own LiveTau) per browser session; its trace files go when the tab closes.
+        session = gr.State(lambda: Session(), delete_callback=handlers.forget)
+
+        with gr.Sidebar(label="Settings", width=340):
+            model = gr.Dropdown(
+                choices=model_choices(), value=BUNDLED, allow_custom_value=True, label="Model",
+                info="Pick one, or type a local path or hub id.", elem_id="model",
+            )
+            model_line = gr.HTML(css_template=STATUS_CSS, js_on_load=None, elem_id="model-status")
+            tau = _slider(
+                "tau", "tau", DEFAULTS.tau,
+                "Acceptance threshold: lower accepts more tokens per pass. Drag it during a run.", elem_id="tau",
+            )
+            block_size = _slider("block_size", "Block size", DEFAULT_BLOCK_SIZE, "Candidates per pass (B).", elem_id="block-size")
+            max_new_tokens = _slider("max_new_tokens", "Max new tokens", DEFAULTS.max_new_tokens, elem_id="max-new-tokens")
+            metric = gr.Radio(list(METRICS), value=DEFAULTS.metric, label="Metric", elem_id="metric",
+                              info="probability ≥ tau, entropy ≤ tau, or top-1 minus top-2 margin ≥ tau")
+            temperature = _slider("temperature", "Temperature", DEFAULTS.temperature, "0 is greedy.", elem_id="temperature")
+            with_ar = gr.Checkbox(value=True, label="Race against the AR baseline", elem_id="with-ar")
+
+        gr.Markdown(INTRO, elem_id="title")
+        with gr.Tabs():
+            with gr.Tab("Race", id="race"):
+                with gr.Row(equal_height=True):
+                    prompt = gr.Textbox(
+                        label="Prompt", placeholder="Ask anything, or pick an example below.", lines=2, max_lines=8,
+                        scale=5, elem_id="prompt",
+                    )
+                    with gr.Column(scale=1, min_width=130, elem_id="run-row"):
+                        run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                        stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                with gr.Accordion("Example prompts", open=False):
+                    gr.Examples([[p] for p in EXAMPLE_PROMPTS], inputs=[prompt], examples_per_page=12, label=None)
+                with gr.Row(equal_height=False):
+                    with gr.Column(min_width=380):
+                        mars_out = gr.HTML(mars_pane([]), css_template=PANE_CSS, js_on_load=PANE_JS, elem_id="mars-pane")
+                    with gr.Column(min_width=380):
+                        ar_out = gr.HTML(ar_pane([]), css_template=PANE_CSS, js_on_load=PANE_JS, elem_id="ar-pane")
+                figures = empty_figures()
+                with gr.Row():
+                    time_plot = gr.Plot(figures[0], show_label=False, min_width=380, elem_id="chart-time", elem_classes="plot-cell")
+                    pass_plot = gr.Plot(figures[1], show_label=False, min_width=380, elem_id="chart-pass", elem_classes="plot-cell")
+                with gr.Row():
+                    hist_plot = gr.Plot(figures[2], show_label=False, min_width=380, elem_id="chart-hist", elem_classes="plot-cell")
+                    summary_plot = gr.Plot(figures[3], show_label=False, min_width=380, elem_id="chart-summary", elem_classes="plot-cell")
+                with gr.Row():
+                    json_btn = gr.DownloadButton("Download trace (JSON)", interactive=False, size="md", elem_id="download-json")
+                    csv_btn = gr.DownloadButton("Download trace (CSV)", interactive=False, size="md", elem_id="download-csv")
+
+            with gr.Tab("Sweep", id="sweep"):
+                gr.Markdown(SWEEP_INTRO)
+                with gr.Row():
+                    sweep_prompts = gr.Dropdown(
+                        list(EXAMPLE_PROMPTS), value=list(EXAMPLE_PROMPTS[:4]), multiselect=True, label="Prompts",
+                        scale=3, elem_id="sweep-prompts",
+                    )
+                    with gr.Column(scale=2):
+                        sweep_taus = gr.CheckboxGroup(list(SWEEP_TAUS), value=SWEEP_DEFAULT_TAUS, label="tau values",
+                                                      elem_id="sweep-taus")
+                        sweep_tokens = _slider("max_new_tokens", "Max new tokens per run", SWEEP_MAX_NEW_TOKENS,
+                                               elem_id="sweep-tokens")
+                with gr.Row():
+                    sweep_btn = gr.Button("Run sweep", variant="primary", elem_id="sweep-run")
+                    sweep_stop = gr.Button("Stop", variant="stop", elem_id="sweep-stop")
+                sweep_status = gr.HTML("", min_height=70, js_on_load=None, elem_id="sweep-status")
+                sweep_plot = gr.Plot(show_label=False, elem_id="sweep-plot")
+                sweep_table = gr.Dataframe(headers=SWEEP_COLUMNS, label="Frontier", interactive=False, elem_id="sweep-table")
+
+        settings = [model, tau, block_size, max_new_tokens, metric, temperature, with_ar]
+        outputs = [mars_out, ar_out, time_plot, pass_plot, hist_plot, summary_plot, json_btn, csv_btn]
+
+        model_outputs = [model_line, model, block_size]
+        demo.load(handlers.show_model, [model, session], model_outputs, concurrency_limit=None, show_progress="minimal")
+        model.change(handlers.show_model, [model, session], model_outputs, concurrency_limit=None, show_progress="minimal")
+        # Never queued behind a run: the running generator reads the new value before its next pass.
+        tau.change(handlers.set_tau, [tau, session], None, concurrency_limit=None, show_progress="hidden",
+                   trigger_mode="always_last")
+
+        race_inputs = [prompt, *settings, session]
+        run_event = gr.on(
+            [run_btn.click, prompt.submit], handlers.run, race_inputs, outputs,
+            concurrency_limit=concurrency, concurrency_id="decode",
+            show_progress="minimal", show_progress_on=[mars_out],  # queue position and timer, no overlay
+        )
+        stop_btn.click(handlers.stop, [session], outputs, cancels=[run_event], concurrency_limit=None)
+
+        sweep_event = sweep_btn.click(
+            handlers.sweep, [sweep_prompts, sweep_taus, sweep_tokens, model, block_size, metric, temperature],
+            [sweep_status, sweep_plot, sweep_table], concurrency_limit=concurrency, concurrency_id="decode",
+            show_progress_on=[sweep_status],  # the frontier stays visible while it grows
+        )
+        sweep_stop.click(None, None, None, cancels=[sweep_event])
+
+    demo.queue(default_concurrency_limit=concurrency, max_size=64)
+    demo.handlers = handlers  # for tests and notebooks: the model cache and the handlers behind the UI
+    return demo
+
+
+demo = build_demo()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    demo.launch(theme=THEME, css=CSS)
+
+
+if __name__ == "__main__":
+    main()

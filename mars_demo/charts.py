@@ -1,0 +1,229 @@
+"""Plotly figures for the demo, built by pure functions from decoding events.
+
+Every builder takes the StepEvents of a run (MARS, and the AR baseline where there
+is one) and returns a new ``go.Figure``; nothing here knows about Gradio, so the
+figures are tested without a browser and work as well in a notebook.
+
+Each side's clock counts only its own forward passes (the events' ``seconds``), so
+a race run on a shared CPU with interleaved passes still compares like with like.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .decoding import StepEvent
+
+if TYPE_CHECKING:
+    from .sweep import FrontierPoint
+
+MARS_COLOR = "#4f46e5"
+AR_COLOR = "#94a3b8"
+TAU_COLOR = "#dc2626"
+# Neighbouring passes alternate between these; the MARS text pane uses the same three.
+PASS_COLORS = ("#6366f1", "#0d9488", "#d97706")
+HEIGHT = 300
+FONT = "Inter, ui-sans-serif, system-ui, sans-serif"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Totals of one side so far: tokens, forward passes and the seconds its own passes took."""
+
+    tokens: int
+    passes: int
+    seconds: float
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.passes if self.passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def summarize(steps: Sequence[StepEvent]) -> Summary:
+    return Summary(
+        tokens=sum(len(s.token_ids) for s in steps),
+        passes=len(steps),
+        seconds=sum(s.seconds for s in steps),
+    )
+
+
+def speedup(mars: Summary, ar: Summary | None) -> float | None:
+    """MARS tokens/s over AR tokens/s, or None while either side has no rate yet."""
+    if ar is None or not ar.tokens_per_second or not mars.tokens_per_second:
+        return None
+    return mars.tokens_per_second / ar.tokens_per_second
+
+
+def _style(fig: go.Figure, title: str, height: int = HEIGHT) -> go.Figure:
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 14}},
+        template="plotly_white",
+        height=height,
+        margin={"l": 52, "r": 20, "t": 44, "b": 44},
+        font={"family": FONT, "size": 12},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
+        hoverlabel={"font": {"family": FONT}},
+        paper_bgcolor="rgba(0,0,0,0)",
+    )
+    return fig
+
+
+def _waiting(fig: go.Figure, steps: Sequence[StepEvent] | None) -> go.Figure:
+    """An empty chart says so, instead of showing bare axes."""
+    if not steps:
+        fig.add_annotation(
+            text="waiting for a run", x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+            font={"size": 13, "color": AR_COLOR},
+        )
+    return fig
+
+
+def _cumulative(steps: Sequence[StepEvent]) -> tuple[list[float], list[int], list[int]]:
+    """(clock in seconds, tokens so far, pass number) after each pass, starting at (0, 0)."""
+    clock, tokens, passes = [0.0], [0], [0]
+    for step in steps:
+        clock.append(clock[-1] + step.seconds)
+        tokens.append(tokens[-1] + len(step.token_ids))
+        passes.append(step.index + 1)
+    return clock, tokens, passes
+
+
+def tokens_vs_time(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None) -> go.Figure:
+    """Tokens generated against each side's own clock: the steeper line is the faster decoder."""
+    fig = go.Figure()
+    for name, steps, color in (("MARS", mars, MARS_COLOR), ("AR", ar, AR_COLOR)):
+        if steps is None:
+            continue
+        clock, tokens, passes = _cumulative(steps)
+        fig.add_trace(
+            go.Scatter(
+                x=clock, y=tokens, customdata=passes, name=name, mode="lines+markers",
+                line={"color": color, "width": 2.5}, marker={"size": 4},
+                hovertemplate=f"{name}: %{{y}} tokens after %{{x:.2f}} s (pass %{{customdata}})<extra></extra>",
+            )
+        )
+    fig.update_xaxes(title_text="seconds (own forward passes only)", rangemode="tozero")
+    fig.update_yaxes(title_text="tokens generated", rangemode="tozero")
+    return _style(_waiting(fig, mars), "Tokens generated vs time")
+
+
+def tokens_per_pass(mars: Sequence[StepEvent], block_size: int | None = None) -> go.Figure:
+    """Tokens each MARS pass accepted (bars, in the text pane's colours) and the tau in force (line, right axis)."""
+    passes = [s.index + 1 for s in mars]
+    counts = [len(s.token_ids) for s in mars]
+    bars = go.Bar(
+        x=passes, y=counts, name="tokens accepted",
+        marker={"color": [PASS_COLORS[s.index % len(PASS_COLORS)] for s in mars], "line": {"width": 0}},
+        hovertemplate="pass %{x}: %{y} token(s)<extra></extra>",
+    )
+    tau = go.Scatter(
+        x=passes, y=[s.tau for s in mars], name="tau", mode="lines", yaxis="y2",
+        line={"color": TAU_COLOR, "width": 2, "shape": "hv"},
+        hovertemplate="pass %{x}: tau %{y:.2f}<extra></extra>",
+    )
+    top = max([block_size or 1, *counts])
+    fig = go.Figure([bars, tau])
+    fig.update_layout(
+        xaxis={"title": {"text": "forward pass"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": "tokens accepted"}, "range": [0, top + 0.5], "dtick": 1 if top <= 8 else None},
+        yaxis2={"title": {"text": "tau"}, "range": [0, 1.05], "overlaying": "y", "side": "right", "showgrid": False},
+        bargap=0.15,
+    )
+    return _style(_waiting(fig, mars), "MARS: tokens accepted per pass, with tau")
+
+
+def passes_histogram(mars: Sequence[StepEvent], block_size: int | None = None) -> go.Figure:
+    """How many MARS passes accepted 1, 2, ... B tokens; the mean is tokens per forward pass."""
+    counts = Counter(len(s.token_ids) for s in mars)
+    top = max([block_size or 1, *counts]) if counts else block_size or 1
+    sizes = list(range(1, top + 1))
+    heights = [counts.get(k, 0) for k in sizes]
+    fig = go.Figure(
+        go.Bar(
+            x=sizes, y=heights, name="passes", marker={"color": MARS_COLOR}, text=[h or "" for h in heights],
+            textposition="outside", cliponaxis=False,
+            hovertemplate="%{y} pass(es) accepted %{x} token(s)<extra></extra>",
+        )
+    )
+    mean = summarize(mars).tokens_per_forward
+    title = "MARS: passes by tokens accepted"
+    if mars:
+        fig.add_vline(x=mean, line={"color": TAU_COLOR, "dash": "dot", "width": 2})
+        title += f" · mean {mean:.2f} (dotted)"
+    fig.update_xaxes(title_text="tokens accepted in one pass", dtick=1, range=[0.4, top + 0.6])
+    fig.update_yaxes(title_text="passes", rangemode="tozero")
+    return _style(_waiting(fig, mars), title)
+
+
+def _fmt(value: float | int | None, pattern: str) -> str:
+    return "—" if value is None else format(value, pattern)
+
+
+def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None) -> go.Figure:
+    """Tokens/s, tokens/forward, passes, time and speedup over AR, for both sides."""
+    m = summarize(mars)
+    a = summarize(ar) if ar is not None else None
+    rows = [
+        ("tokens", _fmt(m.tokens, "d"), _fmt(a and a.tokens, "d")),
+        ("forward passes", _fmt(m.passes, "d"), _fmt(a and a.passes, "d")),
+        ("tokens / forward", _fmt(m.tokens_per_forward, ".2f"), _fmt(a and a.tokens_per_forward, ".2f")),
+        ("time, own passes (s)", _fmt(m.seconds, ".2f"), _fmt(a and a.seconds, ".2f")),
+        ("tokens / s", _fmt(m.tokens_per_second, ".1f"), _fmt(a and a.tokens_per_second, ".1f")),
+        ("speedup over AR", _fmt(speedup(m, a), ".2f") + ("×" if speedup(m, a) else ""), "1.00×" if a else "—"),
+    ]
+    labels, mars_col, ar_col = (list(col) for col in zip(*rows))
+    fig = go.Figure(
+        go.Table(
+            columnwidth=[1.6, 1, 1],
+            header={
+                "values": ["", "<b>MARS</b>", "<b>AR</b>"], "fill_color": ["white", MARS_COLOR, AR_COLOR],
+                "font": {"color": "white", "size": 13}, "align": ["left", "center", "center"], "height": 30,
+            },
+            cells={
+                "values": [labels, mars_col, ar_col], "align": ["left", "center", "center"], "height": 30,
+                "fill_color": [["#f8fafc", "white"] * 3], "font": {"size": 13, "color": "#1f2937"},
+                "line": {"color": "#e5e7eb"},
+            },
+        )
+    )
+    return _style(fig, "Summary", height=320)
+
+
+def frontier(points: Sequence[FrontierPoint]) -> go.Figure:
+    """The sweep's speed/quality frontier: tokens/forward and speedup against agreement with tau = 1.0."""
+    fig = make_subplots(
+        rows=1, cols=2, horizontal_spacing=0.12,
+        subplot_titles=("tokens per forward pass", "measured speedup over AR"),
+    )
+    ordered = sorted(points, key=lambda p: p.tau, reverse=True)
+    labels = [f"τ={p.tau:g}" for p in ordered]
+    agreement = [p.agreement for p in ordered]
+    for col, values, name in (
+        (1, [p.tokens_per_forward for p in ordered], "tokens / forward"),
+        (2, [p.speedup for p in ordered], "speedup"),
+    ):
+        fig.add_trace(
+            go.Scatter(
+                x=agreement, y=values, text=labels, name=name, mode="lines+markers+text",
+                textposition=["top center", "bottom center"] * len(ordered), marker={"size": 10, "color": MARS_COLOR},
+                line={"color": MARS_COLOR, "width": 1.5, "dash": "dot"}, showlegend=False,
+                hovertemplate="%{text}: %{y:.2f} at agreement %{x:.3f}<extra></extra>",
+            ),
+            row=1, col=col,
+        )
+    fig.add_hline(y=1.0, line={"color": AR_COLOR, "dash": "dash"}, row=1, col=2)
+    fig.update_xaxes(title_text="agreement with the tau = 1.0 output", range=[-0.02, 1.05])
+    fig.update_yaxes(rangemode="tozero")
+    fig = _style(fig, "Speed / quality frontier", height=400)
+    fig.update_layout(margin={"t": 72})
+    return fig

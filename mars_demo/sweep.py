@@ -1,0 +1,119 @@
+"""The tau sweep: decode a set of prompts at several tau values and measure the speed/quality frontier.
+
+Quality is agreement with the tau = 1.0 output of the same prompt (one token per
+pass, METHOD.md "Decoding"), measured on token ids as difflib's ratio 2*M/T, so a
+single changed token costs little and a shifted tail is not counted as all wrong.
+Speed is tokens per forward pass, and tokens per second over the AR baseline on
+the same weights, each clock counting only its own passes; rates are pooled over
+the prompts (total tokens / total seconds), not averaged per prompt.
+
+``sweep_runs`` is a generator, one finished run at a time, so a caller can show
+progress (tqdm, gr.Progress) and stop between runs; ``frontier`` works on any
+prefix of its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+
+from .config import DecodeConfig, check_tau
+from .decoding import collect, generate
+from .loading import LoadedModel
+
+REFERENCE_TAU = 1.0
+
+
+@dataclass(frozen=True)
+class SweepRun:
+    """One prompt decoded once: by MARS at ``tau``, or by the AR baseline (tau None)."""
+
+    prompt: str
+    mode: str
+    tau: float | None
+    token_ids: tuple[int, ...]
+    text: str
+    forward_passes: int
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One tau, pooled over the prompts that have both this run and the reference."""
+
+    tau: float
+    prompts: int
+    tokens_per_forward: float
+    tokens_per_second: float
+    speedup: float | None  # over AR tokens/s on the same prompts; None without AR runs
+    agreement: float  # mean over prompts of agreement with the tau = 1.0 output
+    exact: float  # fraction of prompts whose output equals the tau = 1.0 output
+
+
+def plan(prompts: Sequence[str], taus: Sequence[float]) -> list[tuple[str, str, float | None]]:
+    """(prompt, mode, tau) of every run: per prompt the AR baseline, then MARS from high tau to low.
+
+    tau = 1.0 is always included: it is the reference the agreement is measured against.
+    """
+    if not prompts:
+        raise ValueError("choose at least one prompt for the sweep")
+    if any(not p.strip() for p in prompts):
+        raise ValueError("the sweep has an empty prompt")
+    if not taus:
+        raise ValueError("choose at least one tau for the sweep")
+    levels = sorted({check_tau(float(t)) for t in taus} | {REFERENCE_TAU}, reverse=True)
+    return [run for p in prompts for run in [(p, "ar", None)] + [(p, "mars", t) for t in levels]]
+
+
+def sweep_runs(lm: LoadedModel, prompts: Sequence[str], taus: Sequence[float], config: DecodeConfig) -> Iterator[SweepRun]:
+    """Decode every planned run with ``config`` (its tau and mode replaced per run), one at a time."""
+    for prompt, mode, tau in plan(prompts, taus):
+        run_config = config.with_(mode=mode, tau=REFERENCE_TAU if tau is None else tau)
+        result = collect(generate(lm, prompt, run_config))
+        yield SweepRun(
+            prompt=prompt, mode=mode, tau=tau, token_ids=tuple(result.token_ids), text=result.text,
+            forward_passes=result.stats.forward_passes, seconds=result.stats.seconds,
+        )
+
+
+def agreement(reference: Sequence[int], output: Sequence[int]) -> float:
+    """difflib's similarity ratio of two token-id sequences: 1.0 when equal, 0.0 when nothing matches."""
+    if not reference and not output:
+        return 1.0
+    return SequenceMatcher(None, list(reference), list(output), autojunk=False).ratio()
+
+
+def _rate(runs: Sequence[SweepRun]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(r.tokens for r in runs) / seconds if seconds > 0 else 0.0
+
+
+def frontier(runs: Sequence[SweepRun]) -> list[FrontierPoint]:
+    """One point per tau (highest first), from whatever runs have finished so far."""
+    reference = {r.prompt: r for r in runs if r.mode == "mars" and r.tau == REFERENCE_TAU}
+    baseline = {r.prompt: r for r in runs if r.mode == "ar"}
+    points = []
+    for tau in sorted({r.tau for r in runs if r.mode == "mars"}, reverse=True):
+        mine = [r for r in runs if r.mode == "mars" and r.tau == tau and r.prompt in reference]
+        if not mine:
+            continue
+        scores = [agreement(reference[r.prompt].token_ids, r.token_ids) for r in mine]
+        ar_runs = [baseline[r.prompt] for r in mine if r.prompt in baseline]
+        ar_rate = _rate(ar_runs) if len(ar_runs) == len(mine) else 0.0
+        points.append(
+            FrontierPoint(
+                tau=tau,
+                prompts=len(mine),
+                tokens_per_forward=sum(r.tokens for r in mine) / max(sum(r.forward_passes for r in mine), 1),
+                tokens_per_second=_rate(mine),
+                speedup=_rate(mine) / ar_rate if ar_rate else None,
+                agreement=sum(scores) / len(scores),
+                exact=sum(s == 1.0 for s in scores) / len(scores),
+            )
+        )
+    return points

@@ -1,0 +1,246 @@
+"""The app's event handlers: they turn engine events into component values, and nothing more.
+
+The run handler is a generator that decodes as Gradio pulls from it, one forward
+pass per ``next()``: MARS and AR passes alternate (``race.interleave``) and each
+yield carries the pass just decoded. There is no helper thread and no replay.
+Stop cancels the run (``cancels=``) and marks its trace stopped, so the generator
+ends at the next pass boundary; Stop's own handler waits for that end before it
+shows the final view, so no earlier pass can land on top of it. The session's
+LiveTau is the object the decoder reads before every pass; ``set_tau`` (the
+slider's change event, never queued behind a run) writes to it while the run goes.
+
+Messages shown with gr.Warning / gr.Error are rendered as HTML by Gradio, so every
+user- or model-supplied string in them is escaped.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Iterator
+from html import escape
+from pathlib import Path
+
+import gradio as gr
+
+from .. import charts
+from ..config import DecodeConfig
+from ..decoding import generate
+from ..loading import BUNDLED, LoadedModel, load_model
+from ..sweep import frontier, plan, sweep_runs
+from .models import Loader, ModelCache, bundled_note
+from .race import RaceTrace, Session, interleave
+from .render import ar_pane, mars_pane, model_message, model_status
+
+logger = logging.getLogger(__name__)
+
+SWEEP_COLUMNS = ["tau", "prompts", "tokens / forward", "tokens / s", "speedup over AR", "agreement", "exact match"]
+
+
+def empty_figures() -> tuple:
+    return (
+        charts.tokens_vs_time([], []),
+        charts.tokens_per_pass([]),
+        charts.passes_histogram([]),
+        charts.summary_table([], []),
+    )
+
+
+class DemoHandlers:
+    """Handlers bound to one model cache; ``loader`` is injectable so tests use a tiny model."""
+
+    def __init__(
+        self,
+        loader: Loader = load_model,
+        *,
+        capacity: int = 1,
+        chart_every: float = 1.0,
+        trace_dir: str | Path | None = None,
+        stop_wait: float = 10.0,
+    ) -> None:
+        self.models = ModelCache(loader, capacity)
+        self.chart_every = chart_every  # seconds between chart refreshes while a run streams
+        self.trace_dir = Path(trace_dir or Path(tempfile.gettempdir()) / "mars_demo_traces")
+        self.stop_wait = stop_wait  # most seconds Stop waits for the run to end (one forward pass)
+
+    # -- model -----------------------------------------------------------------------------
+    def _model(self, spec: str | None) -> LoadedModel:
+        spec = (spec or BUNDLED).strip() or BUNDLED
+        try:
+            return self.models.get(spec)
+        except Exception as err:  # any failure to load is the user's to read, not a crash
+            logger.warning("cannot load %s: %s", spec, err)
+            raise gr.Error(escape(f"Could not load model {spec}: {err}"), title="Model not loaded") from None
+
+    def show_model(self, spec: str | None, session: Session) -> Iterator[tuple]:
+        """Load the picked model (page load, picker change); on failure keep the previous one.
+
+        Outputs: status line, model picker, block-size slider.
+        """
+        spec = (spec or BUNDLED).strip() or BUNDLED
+        if spec not in self.models.loaded():
+            yield model_message(f"Loading {spec}… (a download or a first conversion can take a while)"), gr.skip(), gr.skip()
+        try:
+            lm = self.models.get(spec)
+        except Exception as err:
+            logger.warning("cannot load %s: %s", spec, err)
+            keep = session.spec if session.spec != spec else BUNDLED
+            gr.Warning(escape(f"Could not load model {spec}: {err}. Still serving {keep}."), title="Model not loaded")
+            message = model_message(f"Could not load {spec}: {err} Still serving {keep}.", "error")
+            yield message, gr.update(value=keep), gr.skip()
+            return
+        session.spec = spec
+        status = model_status(lm.name, lm.meta.block_size, lm.meta.mask_token, lm.load_seconds, bundled_note(spec))
+        yield status, gr.skip(), gr.update(value=lm.meta.block_size)
+
+    # -- tau -------------------------------------------------------------------------------
+    def set_tau(self, value: float, session: Session) -> None:
+        """The slider's change event: the running decoder reads the new tau before its next pass."""
+        session.tau.set(float(value))
+
+    # -- the race --------------------------------------------------------------------------
+    def _config(self, tau, block_size, max_new_tokens, metric, temperature) -> DecodeConfig:
+        try:
+            return DecodeConfig(
+                tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
+                metric=metric, temperature=float(temperature),
+            )
+        except (TypeError, ValueError) as err:
+            raise gr.Error(escape(str(err)), title="Bad setting") from None
+
+    def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session) -> tuple:
+        """(MARS pane, AR pane, four figures, JSON and CSV download buttons); gr.skip() for what did not change."""
+        mars, ar = trace.steps("mars"), trace.steps("ar")
+        out: list = [gr.skip()] * 8
+        if "mars" in panes:
+            out[0] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"))
+        if "ar" in panes:
+            out[1] = ar_pane(ar, _side_status(trace, "ar"), trace.finish_reason("ar"))
+        if charts_due:
+            block = trace.config.block_size
+            out[2:6] = [
+                charts.tokens_vs_time(mars, ar),
+                charts.tokens_per_pass(mars, block),
+                charts.passes_histogram(mars, block),
+                charts.summary_table(mars, ar),
+            ]
+        if files is True:
+            json_path, csv_path = trace.write(self.trace_dir, _stem(session))
+            out[6:8] = [gr.update(value=str(json_path), interactive=True), gr.update(value=str(csv_path), interactive=True)]
+        elif files is False:
+            out[6:8] = [gr.update(value=None, interactive=False)] * 2
+        return tuple(out)
+
+    def run(self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, with_ar, session: Session) -> Iterator[tuple]:
+        """Race MARS against AR on one prompt, streaming every forward pass of both."""
+        if not (prompt or "").strip():
+            raise gr.Error("Type a prompt first, or pick one of the examples.", title="Empty prompt")
+        config = self._config(tau, block_size, max_new_tokens, metric, temperature)
+        lm = self._model(spec)
+        session.tau.set(config.tau)
+        try:  # a prompt longer than the model's context is refused here (or at the first pass)
+            mars = generate(lm, prompt, config, tau=session.tau)
+            ar = generate(lm, prompt, config.with_(mode="ar")) if with_ar else None
+        except ValueError as err:
+            raise _prompt_error(err) from None
+        trace = RaceTrace(prompt=prompt, model=lm.name, config=config, with_ar=bool(with_ar))
+        session.trace = trace
+        try:
+            yield self._outputs(trace, ("mars", "ar"), True, False, session)
+            charted = time.monotonic()
+            passes = interleave(mars, ar)
+            while trace.status == "running":
+                try:
+                    side, event = next(passes)  # one forward pass, of one side
+                except StopIteration:
+                    trace.status = "done"
+                    break
+                except ValueError as err:
+                    trace.status = "error"
+                    raise _prompt_error(err) from None
+                if trace.status != "running":
+                    break  # Stop came during this pass: its handler shows what was decoded
+                trace.add(side, event)
+                due = time.monotonic() - charted >= self.chart_every
+                if due:
+                    charted = time.monotonic()
+                yield self._outputs(trace, (side,), due, None, session)
+            if trace.status == "done":
+                yield self._outputs(trace, ("mars", "ar"), True, True, session)
+        finally:
+            trace.ended.set()  # also when Gradio cancels and closes this generator
+
+    def stop(self, session: Session) -> tuple:
+        """Stop's own handler; ``cancels=`` ends the run generator at its next pass.
+
+        It waits until the generator has ended, so that no pass decoded before the stop
+        can arrive after this final view, then shows and saves what was decoded.
+        """
+        trace = session.trace
+        if trace is None or trace.status != "running":
+            return (gr.skip(),) * 8
+        trace.status = "stopped"
+        trace.ended.wait(timeout=self.stop_wait)
+        return self._outputs(trace, ("mars", "ar"), True, True, session)
+
+    def forget(self, session: Session) -> None:
+        """gr.State's delete callback: remove the session's trace files once its tab has closed."""
+        for suffix in (".json", ".csv"):
+            (self.trace_dir / f"{_stem(session)}{suffix}").unlink(missing_ok=True)
+
+    # -- the sweep -------------------------------------------------------------------------
+    def sweep(self, prompts, taus, max_new_tokens, spec, block_size, metric, temperature, progress=gr.Progress()) -> Iterator[tuple]:
+        """Run the chosen prompts at each tau (and 1.0, and AR); yield after every run, the frontier after every prompt."""
+        prompts = list(prompts or [])
+        try:
+            runs_planned = plan(prompts, [float(t) for t in taus or []])
+        except ValueError as err:
+            raise gr.Error(escape(str(err)), title="Nothing to sweep") from None
+        config = self._config(1.0, block_size, max_new_tokens, metric, temperature)
+        lm = self._model(spec)
+        runs = []
+        progress((0, len(runs_planned)), desc=_sweep_desc(runs_planned, 0, prompts))
+        for i, run in enumerate(sweep_runs(lm, prompts, [float(t) for t in taus], config)):
+            runs.append(run)
+            progress((i + 1, len(runs_planned)), desc=_sweep_desc(runs_planned, i + 1, prompts))
+            prompt_done = i + 1 == len(runs_planned) or runs_planned[i + 1][0] != run.prompt
+            done = prompts.index(run.prompt) + int(prompt_done)
+            note = "Sweep finished" if i + 1 == len(runs_planned) else "Sweeping"
+            text = f"{note}: {done} of {len(prompts)} prompts, {i + 1} of {len(runs_planned)} runs."
+            status = f'<div class="sweep-status">{escape(text)}</div>'
+            if prompt_done:  # redraw the frontier with this prompt in it
+                points = frontier(runs)
+                yield status, charts.frontier(points), _sweep_table(points)
+            else:  # a yield per run, so the sweep's Stop takes effect between runs
+                yield status, gr.skip(), gr.skip()
+
+
+def _stem(session: Session) -> str:
+    return f"mars-trace-{session.id}"
+
+
+def _prompt_error(err: ValueError) -> gr.Error:
+    return gr.Error(escape(f"Cannot decode this prompt: {err}."), title="Prompt not accepted")
+
+
+def _side_status(trace: RaceTrace, side: str) -> str:
+    return "done" if trace.finish_reason(side) else trace.status
+
+
+def _sweep_desc(planned: list, i: int, prompts: list[str]) -> str:
+    if i >= len(planned):
+        return "done"
+    prompt, mode, tau = planned[i]
+    which = f"prompt {prompts.index(prompt) + 1}/{len(prompts)}"
+    return f"{which}: {'AR baseline' if mode == 'ar' else f'MARS tau {tau:g}'}"
+
+
+def _sweep_table(points) -> list[list]:
+    return [
+        [
+            p.tau, p.prompts, round(p.tokens_per_forward, 3), round(p.tokens_per_second, 1),
+            None if p.speedup is None else round(p.speedup, 3), round(p.agreement, 3), round(p.exact, 3),
+        ]
+        for p in points
+    ]

@@ -1,0 +1,148 @@
+"""The race: MARS and the AR baseline decoding one prompt, their passes interleaved, and its trace.
+
+Interleaving (one MARS pass, one AR pass, ...) keeps the race fair on a shared
+CPU: both sides run under the same load, and each side's clock counts only its
+own passes (the events' ``seconds``). A side that finishes drops out and the
+other goes on alone. Nothing runs ahead: each pass is decoded when the consumer
+asks for the next event, so stopping the consumer stops both decoders.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..charts import speedup, summarize
+from ..config import DecodeConfig
+from ..decoding import LiveTau, StepEvent
+from ..loading import BUNDLED
+
+SIDES = ("mars", "ar")
+CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences")
+
+
+def interleave(mars: Iterator[StepEvent], ar: Iterator[StepEvent] | None) -> Iterator[tuple[str, StepEvent]]:
+    """("mars", event) and ("ar", event) in turn, one forward pass each, until both are done."""
+    running = [("mars", mars)] + ([("ar", ar)] if ar is not None else [])
+    while running:
+        for side in list(running):
+            name, events = side
+            event = next(events, None)
+            if event is None or event.done:
+                running.remove(side)
+            if event is not None:
+                yield name, event
+
+
+@dataclass
+class RaceTrace:
+    """Everything one run decoded, pass by pass; the app keeps the latest one per session."""
+
+    prompt: str
+    model: str
+    config: DecodeConfig
+    with_ar: bool = True
+    mars: list[StepEvent] = field(default_factory=list)
+    ar: list[StepEvent] = field(default_factory=list)
+    status: str = "running"  # "running", "done", "stopped" or "error"
+    # Set when the run's generator has ended, whichever way: Stop waits for it.
+    ended: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+
+    def add(self, side: str, event: StepEvent) -> None:
+        getattr(self, side).append(event)
+
+    def steps(self, side: str) -> list[StepEvent] | None:
+        """A snapshot of one side's events (None for an AR side that is switched off)."""
+        if side == "ar" and not self.with_ar:
+            return None
+        return list(getattr(self, side))
+
+    def finish_reason(self, side: str) -> str | None:
+        steps = getattr(self, side)
+        return steps[-1].stats.finish_reason if steps and steps[-1].done else None
+
+    def to_json(self) -> dict:
+        """The whole trace; passes are numbered from 1 (pass 1 is the prefill)."""
+        sides = {}
+        for side in SIDES:
+            steps = self.steps(side)
+            if steps is None:
+                continue
+            total = summarize(steps)
+            sides[side] = {
+                "passes": [_step_record(s) for s in steps],
+                "tokens": total.tokens,
+                "forward_passes": total.passes,
+                "seconds": round(total.seconds, 6),
+                "tokens_per_forward": round(total.tokens_per_forward, 4),
+                "tokens_per_second": round(total.tokens_per_second, 3),
+                "finish_reason": self.finish_reason(side),
+                "text": "".join(s.text for s in steps),
+            }
+        mars_total = summarize(self.mars)
+        ar_total = summarize(self.ar) if self.with_ar else None
+        gain = speedup(mars_total, ar_total)
+        return {
+            "prompt": self.prompt,
+            "model": self.model,
+            "config": asdict(self.config),
+            "status": self.status,
+            "speedup_over_ar": round(gain, 4) if gain else None,
+            "sides": sides,
+        }
+
+    def to_csv(self) -> str:
+        """One row per forward pass; list cells hold JSON (token texts keep their spaces and newlines)."""
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(CSV_COLUMNS)
+        for side in SIDES:
+            for rec in map(_step_record, self.steps(side) or []):
+                writer.writerow([
+                    side, rec["pass"], rec["tokens"], rec["tau"], rec["seconds"],
+                    json.dumps(rec["token_ids"]), json.dumps(rec["token_texts"], ensure_ascii=False),
+                    json.dumps(rec["confidences"]),
+                ])
+        return out.getvalue()
+
+    def write(self, directory: str | Path, stem: str) -> tuple[Path, Path]:
+        """Write ``stem``.json and ``stem``.csv under ``directory``; returns both paths."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        json_path, csv_path = directory / f"{stem}.json", directory / f"{stem}.csv"
+        json_path.write_text(json.dumps(self.to_json(), ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        csv_path.write_text(self.to_csv(), encoding="utf-8")
+        return json_path, csv_path
+
+
+def _step_record(step: StepEvent) -> dict:
+    return {
+        "pass": step.index + 1,
+        "tokens": len(step.token_ids),
+        "token_ids": list(step.token_ids),
+        "token_texts": list(step.pieces),
+        "confidences": [round(c, 6) for c in step.confidences],
+        "tau": step.tau,
+        "seconds": round(step.seconds, 6),
+    }
+
+
+@dataclass
+class Session:
+    """One browser session's own state (held in gr.State): its live tau, model choice and last run.
+
+    The run generator and the tau slider's event handler receive this same object, so
+    ``tau.set`` from the slider is read by the decoder before its next pass; another
+    session has another Session and another LiveTau.
+    """
+
+    tau: LiveTau = field(default_factory=lambda: LiveTau(DecodeConfig().tau))
+    spec: str = BUNDLED
+    trace: RaceTrace | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

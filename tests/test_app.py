@@ -1,0 +1,307 @@
+"""The app's handlers, driven directly with a tiny model: no server, no browser."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+import time
+
+import gradio as gr
+import pytest
+
+from mars_demo.config import DecodeConfig
+from mars_demo.decoding import LiveTau, StepEvent, generate
+from mars_demo.loading import BUNDLED, ModelLoadError
+from mars_demo.ui.handlers import DemoHandlers
+from mars_demo.ui.models import ModelCache, model_choices
+from mars_demo.ui.race import RaceTrace, Session, interleave
+from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
+
+PROMPT = "Explain why the sky is blue."
+SETTINGS = dict(spec=BUNDLED, tau=0.9, block_size=4, max_new_tokens=24, metric="probability", temperature=0.0, with_ar=True)
+
+
+def is_skip(value) -> bool:
+    return value == gr.skip()
+
+
+@pytest.fixture
+def handlers(tiny_qwen, tmp_path):
+    def loader(spec: str):
+        if spec.startswith("bad"):
+            raise ModelLoadError(f"unknown model {spec!r}")
+        return tiny_qwen
+
+    return DemoHandlers(loader, chart_every=60.0, trace_dir=tmp_path, stop_wait=1.0)  # charts: first and last yield
+
+
+def start(handlers: DemoHandlers, session: Session, prompt: str = PROMPT, **changes):
+    s = {**SETTINGS, **changes}
+    return handlers.run(prompt, s["spec"], s["tau"], s["block_size"], s["max_new_tokens"], s["metric"],
+                        s["temperature"], s["with_ar"], session)
+
+
+def test_build_demo_loads_no_model():
+    import app
+
+    def loader(spec):
+        raise AssertionError("build_demo must not load a model")
+
+    demo = app.build_demo(loader)
+    assert isinstance(demo, gr.Blocks)
+    assert demo.handlers.models.loaded() == []
+    assert isinstance(app.demo, gr.Blocks) and app.demo.handlers.models.loaded() == []
+
+
+def test_run_streams_both_panes_pass_by_pass(handlers):
+    session = Session()
+    outputs = list(start(handlers, session))
+    trace = session.trace
+    assert trace.status == "done"
+    assert trace.mars[-1].done and trace.ar[-1].done
+    # one yield to reset, one per forward pass of either side, one to finish
+    assert len(outputs) == 1 + len(trace.mars) + len(trace.ar) + 1
+    streamed = outputs[1:-1]
+    assert sum(not is_skip(o[0]) for o in streamed) == len(trace.mars)
+    assert sum(not is_skip(o[1]) for o in streamed) == len(trace.ar)
+    assert all(is_skip(o[0]) != is_skip(o[1]) for o in streamed)  # each yield is one side's pass
+    final = outputs[-1]
+    assert 'data-status="done"' in final[0] and 'data-status="done"' in final[1]
+    assert final[0].count('class="pass ') == len(trace.mars)
+    assert all(f is not None for f in final[2:6])
+    json_path = final[6]["value"]
+    data = json.loads(open(json_path, encoding="utf-8").read())
+    assert data["status"] == "done" and set(data["sides"]) == {"mars", "ar"}
+    assert data["sides"]["mars"]["text"] == "".join(s.text for s in trace.mars)
+    assert [p["pass"] for p in data["sides"]["ar"]["passes"]] == list(range(1, len(trace.ar) + 1))
+
+
+def test_charts_refresh_while_the_run_streams(handlers):
+    handlers.chart_every = 0.0
+    session = Session()
+    outputs = list(start(handlers, session, max_new_tokens=6))
+    assert all(not is_skip(o[2]) for o in outputs)
+    time_fig, pass_fig = outputs[2][2], outputs[2][3]
+    first = len(session.trace.mars[0].token_ids)
+    assert [t.name for t in time_fig.data] == ["MARS", "AR"] and list(time_fig.data[0].y) == [0, first]
+    assert list(pass_fig.data[1].y) == [0.9]
+
+
+def test_passes_alternate_until_one_side_is_done(tiny_qwen):
+    config = DecodeConfig(max_new_tokens=16, tau=0.0)
+    order = [side for side, _ in interleave(generate(tiny_qwen, PROMPT, config), generate(tiny_qwen, PROMPT, config.with_(mode="ar")))]
+    n_mars = order.count("mars")
+    assert order[: 2 * n_mars] == ["mars", "ar"] * n_mars
+    assert set(order[2 * n_mars :]) == {"ar"}  # MARS needs fewer passes; AR finishes alone
+
+
+def test_ar_side_can_be_switched_off(handlers):
+    session = Session()
+    outputs = list(start(handlers, session, with_ar=False))
+    assert session.trace.ar == [] and session.trace.steps("ar") is None
+    assert "switched off" in outputs[-1][1]
+    assert set(json.loads(open(outputs[-1][6]["value"]).read())["sides"]) == {"mars"}
+
+
+def test_tau_set_mid_run_is_used_from_the_next_pass(handlers):
+    session = Session()
+    run = start(handlers, session, max_new_tokens=40)
+    next(run)  # reset
+    next(run)  # MARS pass 1
+    next(run)  # AR pass 1
+    handlers.set_tau(0.0, session)  # what the slider's change event does while the run streams
+    list(run)
+    mars = session.trace.mars
+    assert mars[0].tau == 0.9
+    assert all(s.tau == 0.0 for s in mars[1:])
+    # at tau = 0 every candidate is accepted: whole blocks until the end
+    assert all(len(s.token_ids) == 4 for s in mars[1:-1])
+    assert session.trace.to_json()["sides"]["mars"]["passes"][1]["tau"] == 0.0
+
+
+def test_two_sessions_keep_their_own_tau(handlers):
+    a, b = Session(), Session()
+    run_a, run_b = start(handlers, a), start(handlers, b)
+    next(run_a), next(run_b)
+    next(run_a), next(run_b)
+    handlers.set_tau(0.3, a)
+    list(run_a), list(run_b)
+    assert a.tau is not b.tau
+    assert {s.tau for s in a.trace.mars[1:]} == {0.3}
+    assert {s.tau for s in b.trace.mars} == {0.9}
+
+
+def test_html_escapes_model_output():
+    evil = ("<script>alert(1)</script>", '" onmouseover="alert(2)', "<img src=x onerror=alert(3)>", "&amp;")
+    step = StepEvent(0, (1, 2, 3, 4), evil, (0.9, 0.8, 0.7, 0.6), 0.5, 0.01, None)
+    for html in (mars_pane([step], "running"), ar_pane([step], "running")):
+        assert "<script" not in html and "<img" not in html
+        assert '" onmouseover' not in html
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+        assert "&amp;amp;" in html
+    assert "<" not in model_message("<b>x</b>").split(">", 1)[1].rsplit("<", 1)[0]
+    assert "&lt;|mask|&gt;" in model_status("m", 4, "<|mask|>", 1.0)
+
+
+def test_prompt_with_markup_runs_and_is_kept_as_text(handlers):
+    session = Session()
+    prompt = "<script>alert('x')</script> Say hi"
+    outputs = list(start(handlers, session, prompt=prompt, with_ar=False))
+    assert json.loads(open(outputs[-1][6]["value"]).read())["prompt"] == prompt
+    assert "<script" not in outputs[-1][0]
+
+
+def test_bad_input_gets_a_clear_message(handlers):
+    with pytest.raises(gr.Error, match="Type a prompt"):
+        next(start(handlers, Session(), prompt="   "))
+    with pytest.raises(gr.Error, match="tau must be between"):
+        next(start(handlers, Session(), tau=1.5))
+    with pytest.raises(gr.Error, match="Could not load model bad"):
+        next(start(handlers, Session(), spec="bad<b>model</b>"))
+    long_prompt = "the sky is blue " * 400  # far past the tiny model's 512 positions
+    with pytest.raises(gr.Error, match="context"):
+        list(start(handlers, Session(), prompt=long_prompt))
+
+
+def test_error_messages_are_escaped(handlers):
+    with pytest.raises(gr.Error) as err:
+        next(start(handlers, Session(), spec="bad<img src=x onerror=alert(1)>"))
+    assert "<img" not in err.value.message and "&lt;img" in err.value.message
+
+
+def test_failed_load_keeps_the_previous_model(handlers):
+    session = Session()
+    loading, (status, _, block) = list(handlers.show_model(BUNDLED, session))
+    assert "Loading smollm2-135m-mars" in loading[0]
+    assert "Serving" in status and block["value"] == 4
+    assert len(list(handlers.show_model(BUNDLED, session))) == 1  # cached: no "Loading" flash
+    with pytest.warns(UserWarning, match="Still serving"):
+        *_, (status, picker, block) = handlers.show_model("bad/<b>model</b>", session)
+    assert "Could not load" in status and "<b>model" not in status
+    assert picker["value"] == BUNDLED and is_skip(block)
+    assert session.spec == BUNDLED
+    assert handlers.models.loaded() == [BUNDLED]
+    outputs = list(start(handlers, session, with_ar=False))  # still serving
+    assert session.trace.status == "done" and outputs
+
+
+def test_stop_shows_and_saves_the_partial_run(handlers):
+    session = Session()
+    run = start(handlers, session, max_new_tokens=40)
+    for _ in range(5):
+        next(run)
+    run.close()  # what Gradio's cancel does to the generator
+    outputs = handlers.stop(session)
+    assert session.trace.status == "stopped"
+    assert 'data-status="stopped"' in outputs[0]
+    data = json.loads(open(outputs[6]["value"]).read())
+    assert data["status"] == "stopped"
+    assert len(data["sides"]["mars"]["passes"]) == 2 and len(data["sides"]["ar"]["passes"]) == 2
+    assert all(is_skip(o) for o in handlers.stop(session))  # a second Stop does nothing
+    handlers.forget(session)  # the tab closed
+    assert not any(handlers.trace_dir.glob(f"*{session.id}*"))
+
+
+def test_stop_during_a_pass_ends_the_run_without_another_yield(handlers):
+    session = Session()
+    run = start(handlers, session, max_new_tokens=40)
+    for _ in range(3):
+        next(run)
+    # Stop's handler runs while Gradio is inside next(): the pass finishes, nothing more is yielded
+    results = {}
+    stopper = threading.Thread(target=lambda: results.setdefault("out", handlers.stop(session)))
+    stopper.start()
+    time.sleep(0.2)  # stop() is now waiting for the run to end
+    assert list(run) == []
+    stopper.join()
+    assert session.trace.ended.is_set()
+    assert 'data-status="stopped"' in results["out"][0]
+    assert len(session.trace.mars) == 1 and len(session.trace.ar) == 1
+
+
+def test_trace_csv_round_trips_token_texts(tmp_path):
+    pieces = ('He said, "hi"', "\n", " a,b ")
+    step = StepEvent(0, (5, 6, 7), pieces, (0.5, 0.25, 0.125), 0.7, 0.01, None)
+    trace = RaceTrace(prompt="p", model="m", config=DecodeConfig(), mars=[step], ar=[step])
+    json_path, csv_path = trace.write(tmp_path, "t")
+    rows = list(csv.DictReader(io.StringIO(csv_path.read_text(encoding="utf-8"))))
+    assert [r["side"] for r in rows] == ["mars", "ar"]
+    assert tuple(json.loads(rows[0]["token_texts"])) == pieces
+    assert json.loads(rows[0]["token_ids"]) == [5, 6, 7]
+    assert float(rows[0]["tau"]) == 0.7 and rows[0]["pass"] == "1" and rows[0]["tokens"] == "3"
+    data = json.loads(json_path.read_text(encoding="utf-8"))
+    assert data["sides"]["mars"]["passes"][0]["token_texts"] == list(pieces)
+    assert data["config"]["tau"] == 0.9
+
+
+def test_sweep_handler_yields_the_frontier(handlers):
+    outputs = list(handlers.sweep([PROMPT, "Count: one, two"], [0.5], 10, BUNDLED, 4, "probability", 0.0))
+    assert len(outputs) == 6  # one update per run (AR, tau 1.0, tau 0.5 for each prompt)
+    assert [is_skip(o[1]) for o in outputs] == [True, True, False] * 2  # the frontier once a prompt is done
+    status, fig, table = outputs[-1]
+    assert "Sweep finished: 2 of 2 prompts, 6 of 6 runs" in status
+    assert [row[0] for row in table] == [1.0, 0.5]
+    assert table[0][5] == 1.0  # tau = 1.0 agrees with itself
+    assert len(fig.data) == 2
+    with pytest.raises(gr.Error, match="at least one prompt"):
+        next(handlers.sweep([], [0.5], 10, BUNDLED, 4, "probability", 0.0))
+
+
+def test_model_cache_keeps_one_model_and_survives_failures():
+    calls = []
+
+    def loader(spec):
+        calls.append(spec)
+        time.sleep(0.05)
+        if spec == "bad":
+            raise ModelLoadError("no such model")
+        return object()
+
+    cache = ModelCache(loader, capacity=1)
+    threads = [threading.Thread(target=cache.get, args=("a",)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["a"]  # concurrent sessions share one load
+    first = cache.get("a")
+    with pytest.raises(ModelLoadError):
+        cache.get("bad")
+    assert cache.loaded() == ["a"] and cache.get("a") is first
+    cache.get("b")
+    assert cache.loaded() == ["b"]
+
+
+def test_model_cache_serves_the_loaded_model_while_another_loads():
+    release = threading.Event()
+
+    def loader(spec):
+        if spec == "slow":
+            release.wait(5)
+        return spec
+
+    cache = ModelCache(loader, capacity=1)
+    cache.get("a")
+    slow = threading.Thread(target=cache.get, args=("slow",))
+    slow.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    assert cache.get("a") == "a"  # not stuck behind the slow load
+    assert time.monotonic() - started < 1.0
+    release.set()
+    slow.join()
+    assert cache.loaded() == ["slow"]
+
+
+def test_model_choices_list_bundled_first():
+    online = [spec for _, spec in model_choices(online=True)]
+    assert online[0] == BUNDLED and any("MARS-Qwen2.5-0.5B-blk4" in s for s in online)
+    assert all("Xalphinions" not in spec for _, spec in model_choices(online=False))
+
+
+def test_session_state_is_per_session():
+    a, b = Session(), Session()
+    assert isinstance(a.tau, LiveTau) and a.tau is not b.tau and a.id != b.id
+    assert a.tau.get() == DecodeConfig().tau

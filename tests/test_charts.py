@@ -1,0 +1,157 @@
+"""Chart builders and the sweep's arithmetic: pure functions, tested on hand-made events (no browser)."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+import pytest
+
+from mars_demo import charts
+from mars_demo.config import DecodeConfig
+from mars_demo.decoding import RunStats, StepEvent
+from mars_demo.sweep import REFERENCE_TAU, FrontierPoint, SweepRun, agreement, frontier, plan, sweep_runs
+
+
+def steps(counts: list[int], taus: list[float] | None = None, seconds: float = 0.1) -> list[StepEvent]:
+    """Events accepting ``counts[i]`` tokens at pass i; the last one carries the totals."""
+    taus = taus or [0.9] * len(counts)
+    out, next_id = [], 10
+    for i, (n, tau) in enumerate(zip(counts, taus)):
+        ids = tuple(range(next_id, next_id + n))
+        next_id += n
+        last = i == len(counts) - 1
+        stats = RunStats(sum(counts), len(counts), seconds * len(counts), "length") if last else None
+        out.append(StepEvent(i, ids, tuple(f"t{t} " for t in ids), (0.95,) * n, tau, seconds, stats))
+    return out
+
+
+def test_summary_and_speedup():
+    mars, ar = charts.summarize(steps([1, 3, 2])), charts.summarize(steps([1] * 6))
+    assert (mars.tokens, mars.passes) == (6, 3)
+    assert mars.seconds == pytest.approx(0.3)
+    assert mars.tokens_per_forward == 2.0
+    assert mars.tokens_per_second == pytest.approx(20.0)
+    assert charts.speedup(mars, ar) == pytest.approx(2.0)
+    assert charts.speedup(mars, None) is None
+    assert charts.summarize([]).tokens_per_second == 0.0
+
+
+def test_tokens_vs_time_has_both_sides_on_their_own_clocks():
+    fig = charts.tokens_vs_time(steps([1, 3, 2], seconds=0.2), steps([1] * 4, seconds=0.1))
+    assert isinstance(fig, go.Figure)
+    mars, ar = fig.data
+    assert (mars.name, ar.name) == ("MARS", "AR")
+    assert list(mars.y) == [0, 1, 4, 6]
+    assert list(mars.x) == pytest.approx([0.0, 0.2, 0.4, 0.6])
+    assert list(ar.y) == [0, 1, 2, 3, 4]
+    assert list(ar.x) == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+
+
+def test_tokens_vs_time_without_ar():
+    fig = charts.tokens_vs_time(steps([2, 2]), None)
+    assert [t.name for t in fig.data] == ["MARS"]
+
+
+def test_tokens_per_pass_overlays_tau_per_pass():
+    fig = charts.tokens_per_pass(steps([1, 4, 2, 3], taus=[0.9, 0.9, 0.5, 0.5]), block_size=4)
+    bars, tau = fig.data
+    assert isinstance(bars, go.Bar) and isinstance(tau, go.Scatter)
+    assert list(bars.x) == [1, 2, 3, 4]
+    assert list(bars.y) == [1, 4, 2, 3]
+    assert list(tau.y) == [0.9, 0.9, 0.5, 0.5]
+    assert tau.yaxis == "y2"
+    # neighbouring passes get different colours, the same ones the text pane uses
+    colours = list(bars.marker.color)
+    assert all(a != b for a, b in zip(colours, colours[1:]))
+    assert set(colours) <= set(charts.PASS_COLORS)
+
+
+def test_histogram_counts_passes_per_size():
+    fig = charts.passes_histogram(steps([1, 1, 3, 4, 1, 3]), block_size=4)
+    (bars,) = fig.data
+    assert list(bars.x) == [1, 2, 3, 4]
+    assert list(bars.y) == [3, 0, 2, 1]
+    assert "mean 2.17" in fig.layout.title.text
+
+
+def test_empty_figures_build():
+    for fig in (charts.tokens_vs_time([], []), charts.tokens_per_pass([]), charts.passes_histogram([]),
+                charts.summary_table([], [])):
+        assert isinstance(fig, go.Figure)
+
+
+def test_summary_table_values():
+    fig = charts.summary_table(steps([2, 2], seconds=0.1), steps([1] * 4, seconds=0.1))
+    (table,) = fig.data
+    labels, mars_col, ar_col = table.cells.values
+    row = dict(zip(labels, zip(mars_col, ar_col)))
+    assert row["tokens"] == ("4", "4")
+    assert row["forward passes"] == ("2", "4")
+    assert row["tokens / forward"] == ("2.00", "1.00")
+    assert row["speedup over AR"] == ("2.00×", "1.00×")
+    off = charts.summary_table(steps([2]), None).data[0].cells.values
+    assert off[2][0] == "—" and off[1][-1] == "—"
+
+
+def test_agreement():
+    assert agreement([1, 2, 3], [1, 2, 3]) == 1.0
+    assert agreement([], []) == 1.0
+    assert agreement([1, 2, 3], [4, 5, 6]) == 0.0
+    assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == pytest.approx(0.75)
+
+
+def test_plan_always_includes_the_reference_and_ar():
+    runs = plan(["a", "b"], [0.5, 0.9, 0.9])
+    assert runs[:4] == [("a", "ar", None), ("a", "mars", 1.0), ("a", "mars", 0.9), ("a", "mars", 0.5)]
+    assert len(runs) == 8
+    for bad in (([], [0.5]), (["a"], []), (["a"], [1.5]), (["  "], [0.5])):
+        with pytest.raises(ValueError):
+            plan(*bad)
+
+
+def run(prompt, mode, tau, ids, passes, seconds) -> SweepRun:
+    return SweepRun(prompt, mode, tau, tuple(ids), "", passes, seconds)
+
+
+def test_frontier_pools_rates_and_measures_agreement():
+    runs = [
+        run("a", "ar", None, [1, 2, 3, 4], 4, 0.4),
+        run("a", "mars", 1.0, [1, 2, 3, 4], 4, 0.4),
+        run("a", "mars", 0.5, [1, 2, 9, 4], 2, 0.2),
+        run("b", "ar", None, [5, 6], 2, 0.2),
+        run("b", "mars", 1.0, [5, 6], 2, 0.2),
+        run("b", "mars", 0.5, [5, 6], 1, 0.1),
+    ]
+    ref, low = frontier(runs)
+    assert (ref.tau, low.tau) == (REFERENCE_TAU, 0.5)
+    assert ref.agreement == 1.0 and ref.exact == 1.0
+    assert ref.tokens_per_forward == 1.0 and ref.speedup == pytest.approx(1.0)
+    assert low.prompts == 2
+    assert low.tokens_per_forward == pytest.approx(6 / 3)
+    assert low.speedup == pytest.approx((6 / 0.3) / (6 / 0.6))
+    assert low.agreement == pytest.approx((0.75 + 1.0) / 2)
+    assert low.exact == 0.5
+    # a prefix of the runs (a sweep in progress) gives points for what has a reference
+    assert [p.tau for p in frontier(runs[:3])] == [1.0, 0.5]
+    assert frontier(runs[:1]) == []
+
+
+def test_frontier_figure():
+    points = [FrontierPoint(1.0, 2, 1.0, 10.0, 1.0, 1.0, 1.0), FrontierPoint(0.5, 2, 2.0, 18.0, 1.8, 0.8, 0.5)]
+    fig = charts.frontier(points)
+    left, right = fig.data
+    assert list(left.x) == [1.0, 0.8] and list(left.y) == [1.0, 2.0]
+    assert list(right.y) == [1.0, 1.8]
+    assert list(left.text) == ["τ=1", "τ=0.5"]
+
+
+def test_sweep_runs_on_a_tiny_model(tiny_qwen):
+    config = DecodeConfig(max_new_tokens=12)
+    runs = list(sweep_runs(tiny_qwen, ["Explain why the sky is blue."], [0.0], config))
+    assert [(r.mode, r.tau) for r in runs] == [("ar", None), ("mars", 1.0), ("mars", 0.0)]
+    ar, ref, fast = runs
+    assert ar.token_ids == ref.token_ids  # tau = 1.0 is plain greedy decoding
+    assert ref.forward_passes == ref.tokens
+    assert fast.forward_passes < fast.tokens  # tau = 0 accepts the whole block
+    points = frontier(runs)
+    assert points[0].agreement == 1.0 and points[0].tokens_per_forward == 1.0
+    assert points[1].tokens_per_forward > 1.0
