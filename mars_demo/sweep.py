@@ -1,8 +1,8 @@
 """The tau sweep: decode a set of prompts at several tau values and measure the speed/quality frontier.
 
 Quality is agreement with the tau = 1.0 output of the same prompt (one token per
-pass, METHOD.md "Decoding"), measured on token ids as difflib's ratio 2*M/T, so a
-single changed token costs little and a shifted tail is not counted as all wrong.
+pass, METHOD.md "Decoding"): the common prefix of the two token-id sequences over
+the longer one, the same measure as ``eval`` and ``bench`` report.
 Speed is tokens per forward pass, and tokens per second over the AR baseline on
 the same weights, each clock counting only its own passes; rates are pooled over
 the prompts (total tokens / total seconds), not averaged per prompt.
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from difflib import SequenceMatcher
 
 from .config import DecodeConfig, check_tau
 from .decoding import collect, generate
+from .evaluation import prefix_agreement
 from .loading import LoadedModel
 
 REFERENCE_TAU = 1.0
@@ -81,13 +81,6 @@ def sweep_runs(lm: LoadedModel, prompts: Sequence[str], taus: Sequence[float], c
         )
 
 
-def agreement(reference: Sequence[int], output: Sequence[int]) -> float:
-    """difflib's similarity ratio of two token-id sequences: 1.0 when equal, 0.0 when nothing matches."""
-    if not reference and not output:
-        return 1.0
-    return SequenceMatcher(None, list(reference), list(output), autojunk=False).ratio()
-
-
 def _rate(runs: Sequence[SweepRun]) -> float:
     seconds = sum(r.seconds for r in runs)
     return sum(r.tokens for r in runs) / seconds if seconds > 0 else 0.0
@@ -102,7 +95,7 @@ def frontier(runs: Sequence[SweepRun]) -> list[FrontierPoint]:
         mine = [r for r in runs if r.mode == "mars" and r.tau == tau and r.prompt in reference]
         if not mine:
             continue
-        scores = [agreement(reference[r.prompt].token_ids, r.token_ids) for r in mine]
+        scores = [prefix_agreement(reference[r.prompt].token_ids, r.token_ids) for r in mine]
         ar_runs = [baseline[r.prompt] for r in mine if r.prompt in baseline]
         ar_rate = _rate(ar_runs) if len(ar_runs) == len(mine) else 0.0
         points.append(

@@ -4,7 +4,8 @@ Chunk c samples prompts with seed ``seed + c`` (so every chunk is reproducible o
 its own), holds out every ``heldout_every``-th chunk, and distils the model's
 greedy answers for the rest at once. Re-running continues after the last chunk
 on disk, so the job can stop at any moment and go on in a later session; the
-held-out prompts never reach the training file.
+held-out prompts never reach the training file and are listed in ``heldout.json``
+for ``eval`` and ``bench``.
 """
 
 from __future__ import annotations
@@ -49,5 +50,7 @@ def run(args: argparse.Namespace) -> int:
             for prompt in fresh:
                 sink.write(json.dumps({"prompt": prompt, "chunk": chunk, "split": split}, ensure_ascii=False) + "\n")
         seen.update(fresh)
-    print(f"{len(seen)} prompts in {prompts_path}; answers in {distill_path}")
+    heldout = [row["prompt"] for row in read_jsonl(prompts_path) if row["split"] == "heldout"]
+    (args.out_dir / "heldout.json").write_text(json.dumps(heldout, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"{len(seen)} prompts in {prompts_path} ({len(heldout)} held out in heldout.json); answers in {distill_path}")
     return 0
