@@ -29,12 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heldout-every", type=int, default=10, help="chunk c is held out when c %% N == 0")
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="distillation batch size")
+    parser.add_argument(
+        "--sample-batch-size", type=int, default=32,
+        help="prompt-sampling batch size; each batch shares one opener, so smaller batches mean more kinds of request per chunk",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.chunks, args.chunk_size, args.heldout_every, args.max_new_tokens, args.batch_size) < 1:
-        raise UserError("--chunks, --chunk-size, --heldout-every, --max-new-tokens and --batch-size must be at least 1")
+    if min(args.chunks, args.chunk_size, args.heldout_every, args.max_new_tokens, args.batch_size, args.sample_batch_size) < 1:
+        raise UserError("--chunks, --chunk-size, --heldout-every, --max-new-tokens and the batch sizes must be at least 1")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     prompts_path, distill_path = args.out_dir / "prompts.jsonl", args.out_dir / "distill.jsonl"
     rows = read_jsonl(prompts_path)
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model)
     for chunk in range(start, args.chunks):
         split = "heldout" if chunk % args.heldout_every == 0 else "train"
-        fresh = [p for p in sample_prompts(lm, args.chunk_size, seed=args.seed + chunk, batch_size=args.batch_size) if p not in seen]
+        fresh = [p for p in sample_prompts(lm, args.chunk_size, seed=args.seed + chunk, batch_size=args.sample_batch_size) if p not in seen]
         if split == "train":
             distill(lm, fresh, distill_path, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
         with open(prompts_path, "a", encoding="utf-8") as sink:  # written last: a chunk on disk is a finished chunk
