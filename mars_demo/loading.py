@@ -19,6 +19,7 @@ checkpoint, else from the rules in METHOD.md (mask token of the tokenizer,
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -26,6 +27,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -122,13 +124,27 @@ def bundled_base_dir() -> Path:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
+    _save_atomically(model, tokenizer, target)
+    return target
+
+
+def _save_atomically(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """save_pretrained into ``target`` so that a half-written directory is never picked up."""
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)  # atomic: a half-written cache is never picked up
-    return target
+    staging.rename(target)
+
+
+def merged_bundled_dir() -> Path:
+    """Cache of the bundled base with the bundled adapter merged, keyed by the adapter's bytes.
+
+    Merging through peft takes seconds (and importing peft more); a merged copy loads in under one.
+    """
+    digest = hashlib.sha256((BUNDLED_ADAPTER / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+    return cache_dir() / f"{BUNDLED}-{digest}"
 
 
 def pick_device(device: str | None = None) -> tuple[torch.device, torch.dtype]:
@@ -228,10 +244,12 @@ def _load_plain(spec: str, device: torch.device, dtype: torch.dtype, trust_remot
 
 
 def _merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
+    """Fold a LoRA adapter into the weights: the result is the plain architecture, no extra parameters."""
     from peft import PeftModel
 
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    return merged
+    with warnings.catch_warnings():  # peft 0.21 calls a transformers property deprecated in 5.x
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
 
 
 def _adapter_base(adapter_dir: Path) -> str:
@@ -263,7 +281,11 @@ def load_model(
     else:
         base = spec
 
-    if base == BUNDLED_BASE:
+    merged_cache = merged_bundled_dir() if adapter_dir == BUNDLED_ADAPTER and dtype == torch.float32 else None
+    if merged_cache is not None and (merged_cache / "model.safetensors").is_file():
+        model, tokenizer = _load_plain(str(merged_cache), dev, dtype, False)
+        base, adapter_dir, merged_cache = str(merged_cache), None, None
+    elif base == BUNDLED_BASE:
         model, tokenizer = _load_plain(str(bundled_base_dir()), dev, dtype, False)
     elif Path(base).exists() or re.fullmatch(r"[\w.-]+/[\w.-]+", base):
         model, tokenizer = _load_plain(base, dev, dtype, trust_remote_code)
@@ -275,7 +297,10 @@ def load_model(
     saved = MarsMeta.read(base) if Path(base).is_dir() else {}
     if adapter_dir is not None:
         model = _merge_adapter(model, adapter_dir)
-        saved = {**saved, **MarsMeta.read(adapter_dir)}
+        if merged_cache is not None:
+            _save_atomically(model, tokenizer, merged_cache)
+    if spec == BUNDLED or adapter_dir is not None:
+        saved = {**saved, **MarsMeta.read(BUNDLED_ADAPTER if spec == BUNDLED else adapter_dir)}
     model.eval()
     meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
     if tokenizer.pad_token is None:

@@ -196,7 +196,6 @@ def collate(examples: list[Example], mask_id: int, pad_id: int, block_size: int,
     starts = [noisy_start(len(ex.prompt), block_size) if restrict else 0 for ex in examples]
     noisy_width = max(len(ex) - s for ex, s in zip(examples, starts))
     clean_width = max(len(ex) for ex in examples)
-    width = noisy_width + clean_width
     ids, pos, is_noisy, valid = [], [], [], []
     targets: dict[str, list[list[int]]] = {"noisy": [[], [], []], "clean": [[], [], []]}
     for row, (ex, start) in enumerate(zip(examples, starts)):

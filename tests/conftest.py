@@ -83,3 +83,13 @@ def tiny_llama() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_qwen() -> LoadedModel:
     return make_lm("qwen2")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny Llama saved as a checkpoint directory, for commands that take --model."""
+    directory = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    lm = make_lm("llama")
+    lm.model.save_pretrained(directory)
+    lm.tokenizer.save_pretrained(directory)
+    return str(directory)

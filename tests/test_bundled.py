@@ -37,3 +37,17 @@ def test_bundled_tau_one_equals_greedy(bundled):
     ids = torch.tensor([prompt_ids(bundled.tokenizer, prompt)])
     out = bundled.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32)
     assert ours.token_ids == out[0, ids.shape[1]:].tolist()
+
+
+def test_merged_adapter_cache_equals_a_fresh_merge(bundled):
+    from mars_demo.loading import BUNDLED_ADAPTER, _merge_adapter, merged_bundled_dir
+
+    if not (BUNDLED_ADAPTER / "adapter_config.json").is_file():
+        pytest.skip("no bundled adapter yet")
+    assert (merged_bundled_dir() / "model.safetensors").is_file()  # written by the first load
+    cached = load_model()
+    fresh = _merge_adapter(load_model("smollm2-135m").model, BUNDLED_ADAPTER)
+    ids = torch.tensor([prompt_ids(cached.tokenizer, "Name three colours.")])
+    with torch.no_grad():
+        assert torch.allclose(cached.model(ids).logits, fresh(ids).logits, atol=1e-4)
+    assert cached.meta == bundled.meta

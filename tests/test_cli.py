@@ -6,17 +6,7 @@ import json
 
 import pytest
 
-from conftest import make_lm
 from mars_demo.cli import main
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    lm = make_lm("llama")
-    lm.model.save_pretrained(directory)
-    lm.tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 def test_generate_json_lines_for_a_prompts_file(model_dir, tmp_path, capsys):

@@ -171,15 +171,6 @@ def test_evaluate_with_a_separate_base_and_a_foreign_tokenizer(tiny_llama):
 # --- the command end to end ---
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    lm = make_lm("llama")
-    lm.model.save_pretrained(directory)
-    lm.tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
 def test_eval_command_writes_a_sane_report(model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS[:3]))
