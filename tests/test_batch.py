@@ -211,3 +211,15 @@ def test_token_scheme_rows_equal_the_cached_single_sequence_decoder(tiny_qwen):
     for row, prompt in zip(batch.token_ids, ids):
         alone = collect(stream(tiny_qwen.model, tiny_qwen.tokenizer, prompt, config, mask_id=tiny_qwen.meta.mask_token_id, block_size=4))
         assert row == alone.token_ids
+
+
+def test_token_scheme_feeds_no_masks_at_tau_one(tiny_llama):
+    """At tau = 1.0 only candidate 1 can pass, so the pass is plain batched AR: one column per row."""
+    ids = _ids(tiny_llama)
+    live = LiveTau(1.0)
+    events = list(decode_batch(
+        tiny_llama.model, ids, scheme="token", block_size=4, mask_id=tiny_llama.meta.mask_token_id,
+        pad_id=tiny_llama.tokenizer.pad_token_id, tau=live, max_new_tokens=8,
+        stop_ids=eos_ids(tiny_llama.model, tiny_llama.tokenizer),
+    ))
+    assert all(e.fed == 1 for e in events[1:])

@@ -64,10 +64,11 @@ def token_passes(
     index = 0
     while True:
         tau_now = tau.get()
+        width = 1 if tau_now >= 1.0 else B  # at tau = 1.0 only candidate 1 can pass: no masks
         started = time.perf_counter()
-        window = slide([pending[r] for r in active], [next_pos[r] for r in active], [book.room(r) for r in active], B, mask_id, pad_id)
-        logits = kv.forward(window)  # (A, B, vocab): each row's last real token and its masks
-        kv.crop(B - 1)  # the masks; the accepted tokens are fed next pass
+        window = slide([pending[r] for r in active], [next_pos[r] for r in active], [book.room(r) for r in active], width, mask_id, pad_id)
+        logits = kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
+        kv.crop(width - 1)  # the masks; the accepted tokens are fed next pass
         tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
         steps = book.commit_all(active, tokens, confs)
         for r in active:
