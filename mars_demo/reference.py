@@ -1,6 +1,9 @@
-"""Uncached reference decoder: every pass recomputes the whole sequence plus the masks.
+"""Uncached reference decoders: every pass recomputes the whole sequence plus the masks.
 
-Slow and obviously right; the tests hold the cached decoder to it token for token.
+Slow and obviously right; the tests hold the cached decoders to them token for token.
+The sliding window offers B candidates every pass; the block-capped variant (the
+semantics of the block-level batch scheme) offers only those up to the end of the
+current output block of B.
 """
 
 from __future__ import annotations
@@ -22,21 +25,23 @@ def reference_decode(
     max_new_tokens: int,
     stop_ids: set[int],
     metric: str = "probability",
+    block_capped: bool = False,
 ) -> tuple[list[int], list[int]]:
     """Greedy MARS decoding without a cache. Returns (generated ids, tokens accepted per pass)."""
-    sequence = list(prompt)
+    generated: list[int] = []
     per_pass: list[int] = []
-    while len(sequence) - len(prompt) < max_new_tokens:
-        fed = torch.tensor([sequence + [mask_id] * (block_size - 1)], device=model.device)
-        logits = model(input_ids=fed).logits[0, -block_size:]  # (block_size, vocab)
+    while len(generated) < max_new_tokens:
+        window = block_size - len(generated) % block_size if block_capped else block_size
+        fed = torch.tensor([prompt + generated + [mask_id] * (window - 1)], device=model.device)
+        logits = model(input_ids=fed).logits[0, -window:]  # (window, vocab)
         tokens, probs = choose(logits)
         n = int(accept_count(confidence(probs, tokens, metric), tau, metric))
-        accepted = tokens[:n].tolist()[: max_new_tokens - (len(sequence) - len(prompt))]
+        accepted = tokens[:n].tolist()[: max_new_tokens - len(generated)]
         stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
         if stop is not None:
             accepted = accepted[: stop + 1]
-        sequence += accepted
+        generated += accepted
         per_pass.append(len(accepted))
         if stop is not None:
             break
-    return sequence[len(prompt) :], per_pass
+    return generated, per_pass
