@@ -21,8 +21,8 @@ import sys
 
 import gradio as gr
 
-from mars_demo.config import DecodeConfig, METRICS, RANGES
-from mars_demo.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_model
+from mars_demo.config import CPU_MAX_FED, METRICS, RANGES, DecodeConfig
+from mars_demo.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import SWEEP_COLUMNS, DemoHandlers, empty_figures
 from mars_demo.ui.models import Loader, model_choices
@@ -59,7 +59,7 @@ def _slider(name: str, label: str, value, info: str | None = None, **kwargs) -> 
     return gr.Slider(minimum=low, maximum=high, step=step, value=value, label=label, info=info, **kwargs)
 
 
-def build_demo(loader: Loader = load_model, *, concurrency: int | None = None, models_in_memory: int | None = None) -> gr.Blocks:
+def build_demo(loader: Loader = load_for_decoding, *, concurrency: int | None = None, models_in_memory: int | None = None) -> gr.Blocks:
     """The whole app; ``loader(spec) -> LoadedModel`` is called lazily, never while building."""
     concurrency = concurrency or int(os.environ.get("MARS_DEMO_CONCURRENCY", "1"))
     capacity = models_in_memory or int(os.environ.get("MARS_DEMO_MODELS", "1"))
@@ -84,6 +84,11 @@ def build_demo(loader: Loader = load_model, *, concurrency: int | None = None, m
             metric = gr.Radio(list(METRICS), value=DEFAULTS.metric, label="Metric", elem_id="metric",
                               info="probability ≥ tau, entropy ≤ tau, or top-1 minus top-2 margin ≥ tau")
             temperature = _slider("temperature", "Temperature", DEFAULTS.temperature, "0 is greedy.", elem_id="temperature")
+            full_window = gr.Checkbox(
+                value=False, label="Full window every pass (as in the paper)", elem_id="full-window",
+                info=f"Off: on a CPU a pass feeds at most {CPU_MAX_FED} tokens, because wider passes cost ~1.3x there; "
+                "on a GPU always the full window.",
+            )
             with_ar = gr.Checkbox(value=True, label="Race against the AR baseline", elem_id="with-ar")
 
         gr.Markdown(INTRO, elem_id="title")
@@ -134,7 +139,7 @@ def build_demo(loader: Loader = load_model, *, concurrency: int | None = None, m
                 sweep_plot = gr.Plot(show_label=False, elem_id="sweep-plot")
                 sweep_table = gr.Dataframe(headers=SWEEP_COLUMNS, label="Frontier", interactive=False, elem_id="sweep-table")
 
-        settings = [model, tau, block_size, max_new_tokens, metric, temperature, with_ar]
+        settings = [model, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar]
         outputs = [mars_out, ar_out, time_plot, pass_plot, hist_plot, summary_plot, json_btn, csv_btn]
 
         model_outputs = [model_line, model, block_size]
@@ -153,7 +158,7 @@ def build_demo(loader: Loader = load_model, *, concurrency: int | None = None, m
         stop_btn.click(handlers.stop, [session], outputs, cancels=[run_event], concurrency_limit=None)
 
         sweep_event = sweep_btn.click(
-            handlers.sweep, [sweep_prompts, sweep_taus, sweep_tokens, model, block_size, metric, temperature],
+            handlers.sweep, [sweep_prompts, sweep_taus, sweep_tokens, model, block_size, metric, temperature, full_window],
             [sweep_status, sweep_plot, sweep_table], concurrency_limit=concurrency, concurrency_id="decode",
             show_progress_on=[sweep_status],  # the frontier stays visible while it grows
         )

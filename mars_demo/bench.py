@@ -40,10 +40,11 @@ from transformers import PreTrainedModel
 
 from .batching import collect_batch, stream_batch
 from .batching.rows import left_pad
-from .config import DecodeConfig, check_tau
+from .config import DecodeConfig, check_tau, resolve_max_fed
 from .data import prompt_ids
 from .decoding import collect, eos_ids, stream
 from .evaluation import Scorer, pooled_nll, prefix_agreement
+from .kernels import DualLayoutLinear
 from .loading import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class BenchConfig:
     prompt_lookup_tokens: int = 10
     warmup_tokens: int = 16
     profile_tau: float = 0.9
+    max_fed: int | str | None = "auto"  # single-sequence MARS only; see DecodeConfig
 
     def __post_init__(self) -> None:
         if not self.taus:
@@ -79,7 +81,7 @@ class BenchConfig:
         unknown = set(self.methods) - set(METHODS)
         if unknown:
             raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; known: {', '.join(METHODS)}")
-        DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens)  # same ranges as decoding
+        DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens, max_fed=self.max_fed)  # same checks
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,7 @@ def run_job(
     if job.method == "prompt_lookup":
         return run_hf(lm, prompts, 1, max_new, tick, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
     mode = "ar" if job.method in AR_METHODS else "mars"
-    decode = DecodeConfig(mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new)
+    decode = DecodeConfig(mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new, max_fed=config.max_fed)
     if job.method in ("ar", "mars"):
         return run_single(lm, prompts, decode, tick)
     return run_batch(lm, prompts, job.batch_size, decode, SCHEME[job.method], tick)
@@ -258,6 +260,7 @@ def machine(model: PreTrainedModel) -> dict:
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
         "attention": getattr(model.config, "_attn_implementation", None),
+        "dual_layout_linears": sum(isinstance(m, DualLayoutLinear) for m in model.modules()),  # kernels.py
     }
     if model.device.type == "cuda":
         desc["gpu"] = torch.cuda.get_device_name(model.device)
@@ -329,23 +332,27 @@ class PassClock:
 
 def profile_passes(
     lm: LoadedModel, prompts: list[list[int]], tau: float, block_size: int, max_new_tokens: int,
-    *, limit: int = 4, progress: bool = False,
+    *, max_fed: int | str | None = "auto", limit: int = 4, progress: bool = False,
 ) -> dict:
     """Where a batch-1 pass spends its time: model body, LM head, and the rest (acceptance, cache crop, host).
 
-    MARS at ``tau`` and the AR decoder, on the first ``limit`` prompts; milliseconds per pass.
+    MARS at ``tau`` (as benchmarked, and with the paper's full window if that differs) and the
+    AR decoder, on the first ``limit`` prompts; milliseconds per pass.
     """
     profile: dict = {"tau": tau, "block_size": block_size, "prompts": min(limit, len(prompts))}
-    for mode in ("mars", "ar"):
-        config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens)
+    variants = [("mars", "mars", max_fed), ("ar", "ar", None)]
+    if resolve_max_fed(max_fed, lm.device.type) is not None:
+        variants.insert(1, ("mars_full_window", "mars", None))
+    for name, mode, cap in variants:
+        config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens, max_fed=cap)
         passes = tokens = 0
         seconds = 0.0
         with PassClock(lm.model) as clock:
-            for ids in tqdm(prompts[:limit], desc=f"profile {mode}", disable=not progress, leave=False):
+            for ids in tqdm(prompts[:limit], desc=f"profile {name}", disable=not progress, leave=False):
                 for event in stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=block_size):
                     passes, tokens, seconds = passes + 1, tokens + len(event.token_ids), seconds + event.seconds
         parts = {**clock.seconds, "acceptance_and_host": max(seconds - sum(clock.seconds.values()), 0.0)}
-        profile[mode] = {
+        profile[name] = {
             "passes": passes,
             "tokens_per_forward": round(tokens / max(passes, 1), 4),
             "ms_per_pass": {k: round(1000 * v / max(passes, 1), 4) for k, v in parts.items()} | {"total": round(1000 * seconds / max(passes, 1), 4)},
@@ -384,12 +391,15 @@ def run_benchmark(
     bar.close()
     add_speedups(runs)
     block = config.block_size or lm.meta.block_size
-    profile = profile_passes(lm, ids, config.profile_tau, block, config.max_new_tokens, progress=progress)
+    profile = profile_passes(lm, ids, config.profile_tau, block, config.max_new_tokens, max_fed=config.max_fed, progress=progress)
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": lm.name,
         "machine": machine(lm.model),
-        "settings": {**asdict(config), "block_size": block, "prompts": len(prompts)},
+        "settings": {
+            **asdict(config), "block_size": block, "prompts": len(prompts),
+            "max_fed_resolved": resolve_max_fed(config.max_fed, lm.device.type),
+        },
         "runs": runs,
         "profile": profile,
     }

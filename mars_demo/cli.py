@@ -34,6 +34,27 @@ def add_model_argument(parser: argparse.ArgumentParser, flag: str = "--model") -
     parser.add_argument(flag, default=BUNDLED, help=f"checkpoint spec (default: the bundled {BUNDLED})")
 
 
+def max_fed_value(text: str) -> int | str | None:
+    """argparse type of ``--max-fed``: auto, none, or an integer of at least 2."""
+    if text in ("auto", "none"):
+        return None if text == "none" else "auto"
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"expected auto, none or an integer of at least 2, got {text!r}")
+    return int(text)
+
+
+def add_max_fed_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-fed", type=max_fed_value, default="auto", metavar="{auto,none,N}",
+        help="cap on the tokens one MARS pass feeds (accepted + masks): auto = 3 on a CPU, where wider passes cost "
+        "more, none elsewhere; none = always B-1 masks, as in the paper (default: auto)",
+    )
+
+
+def max_fed_text(value: int | str | None) -> str:
+    return "none" if value is None else str(value)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line on stderr (exit code 2), not the whole usage."""
 

@@ -22,6 +22,10 @@ RANGES: dict[str, tuple[float, float, float]] = {
     "temperature": (0.0, 2.0, 0.05),
 }
 
+# Measured on the development CPU (MKL, 2 threads): a cached pass over 1-3 tokens
+# costs the same as over 1, 4 tokens ~1.2-1.3x more; see BENCHMARKS.md.
+CPU_MAX_FED = 3
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -34,6 +38,13 @@ class DecodeConfig:
       top1 - top2 probability margin >= tau.
     temperature: 0 is greedy; above 0 samples with Gumbel-max noise.
     stop: strings that end the output; the output ends with the stop string, as in transformers.
+    max_fed: cap on the tokens one decoding pass feeds (last pass's accepted tokens + masks),
+      for hardware where a pass's cost steps up with its width (CPU: 4 tokens cost ~1.3x 3);
+      at least one mask is fed whatever the cap, and the prefill pass always gets B-1.
+      None feeds B-1 masks every pass, as METHOD.md describes; "auto" is CPU_MAX_FED on a
+      CPU and None elsewhere. Candidates are a prefix of the B candidates, so a cap
+      trades tokens per pass for cheaper passes; the acceptance rule is the same.
+      Single-sequence decoding only: batch passes are wide anyway.
     """
 
     mode: Mode = "mars"
@@ -44,6 +55,7 @@ class DecodeConfig:
     temperature: float = 0.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    max_fed: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -57,6 +69,10 @@ class DecodeConfig:
             raise ValueError(f"max new tokens must be an integer of at least 1, got {self.max_new_tokens}")
         if not 0.0 <= self.temperature <= RANGES["temperature"][1]:
             raise ValueError(f"temperature must be between 0 and {RANGES['temperature'][1]}, got {self.temperature}")
+        if self.max_fed not in (None, "auto") and (
+            not isinstance(self.max_fed, int) or isinstance(self.max_fed, bool) or self.max_fed < 2
+        ):
+            raise ValueError(f"max fed must be 'auto', None or an integer of at least 2, got {self.max_fed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a tuple of non-empty strings")
 
@@ -67,6 +83,13 @@ class DecodeConfig:
         if unknown:
             raise TypeError(f"unknown decode setting(s): {', '.join(sorted(unknown))}")
         return replace(self, **changes)
+
+
+def resolve_max_fed(max_fed: int | str | None, device_type: str) -> int | None:
+    """The cap a config's ``max_fed`` means on a device ("cpu", "cuda", ...)."""
+    if max_fed == "auto":
+        return CPU_MAX_FED if device_type == "cpu" else None
+    return max_fed
 
 
 def check_tau(tau: float) -> float:

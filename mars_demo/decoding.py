@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from .acceptance import accept_count, choose, confidence
-from .config import DecodeConfig, check_tau
+from .config import DecodeConfig, check_tau, resolve_max_fed
 from .data import prompt_ids
 from .loading import LoadedModel
 
@@ -133,6 +133,11 @@ def forward_window(model: PreTrainedModel, cache: DynamicCache, fed: torch.Tenso
     return out.logits[0]
 
 
+def capped_width(window: int, fed_tokens: int, max_fed: int) -> int:
+    """Candidates of a pass that feeds ``fed_tokens`` accepted tokens under the cap ``max_fed`` (>= 2)."""
+    return min(window, max(2, max_fed - fed_tokens + 1))
+
+
 def accept_prefix(logits: torch.Tensor, tau: float, metric: str, temperature: float, generator) -> tuple[list[int], list[float]]:
     """Candidates of one pass and the accepted prefix, with a single host sync."""
     tokens, probs = choose(logits, temperature, generator)  # (window,), (window, vocab)
@@ -157,10 +162,12 @@ def decode_passes(
     max_new_tokens: int,
     stop_ids: set[int],
     seed: int | None = None,
+    max_fed: int | None = None,
 ) -> Iterator[_Pass]:
     """The decoding loop in token space; ``window`` = 1 is plain AR decoding.
 
-    The cache and its committed length are local to this generator.
+    The cache and its committed length are local to this generator. ``max_fed``
+    caps the tokens fed after the prefill (see ``DecodeConfig``).
     """
     check_prompt(model, len(prompt), window)
     device = model.device
@@ -174,6 +181,8 @@ def decode_passes(
         tau_now = tau.get()
         # At tau = 1.0 only candidate 1 can be accepted: skip the masks and run a plain AR pass.
         width = 1 if tau_now >= 1.0 else window
+        if width > 1 and max_fed is not None and produced:
+            width = capped_width(width, pending.shape[1], max_fed)
         started = time.perf_counter()
         logits = forward_window(model, cache, torch.cat([pending, masks[:, : width - 1]], dim=1), width)
         tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator)
@@ -265,6 +274,7 @@ def stream(
         model, prompt, window=window, mask_id=mask_id, tau=tau or LiveTau(config.tau), metric=config.metric,
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), seed=config.seed,
+        max_fed=resolve_max_fed(config.max_fed, model.device.type),
     )
     return _events(passes, Detokenizer(tokenizer), config.stop)
 

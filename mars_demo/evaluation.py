@@ -39,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .config import DecodeConfig, check_tau
+from .config import DecodeConfig, check_tau, resolve_max_fed
 from .data import prompt_ids
 from .decoding import collect, stream
 from .loading import LoadedModel
@@ -184,13 +184,14 @@ class EvalConfig:
     max_new_tokens: int = 128
     block_size: int | None = None  # None: the checkpoint's
     warmup: bool = True
+    max_fed: int | str | None = "auto"  # see DecodeConfig
 
     def __post_init__(self) -> None:
         if not self.taus:
             raise ValueError("choose at least one tau")
         for tau in self.taus:
             check_tau(tau)
-        DecodeConfig(max_new_tokens=self.max_new_tokens, block_size=self.block_size)  # same checks as decoding
+        self.decode("mars")  # same checks as decoding
 
     @property
     def levels(self) -> tuple[float, ...]:
@@ -199,7 +200,9 @@ class EvalConfig:
         return (REFERENCE_TAU, *rest)
 
     def decode(self, mode: str, tau: float = REFERENCE_TAU) -> DecodeConfig:
-        return DecodeConfig(mode=mode, tau=tau, block_size=self.block_size, max_new_tokens=self.max_new_tokens)
+        return DecodeConfig(
+            mode=mode, tau=tau, block_size=self.block_size, max_new_tokens=self.max_new_tokens, max_fed=self.max_fed
+        )
 
 
 @dataclass(frozen=True)
@@ -402,6 +405,7 @@ def evaluate(
         "base": base.name,
         "block_size": block,
         "max_new_tokens": config.max_new_tokens,
+        "max_fed": resolve_max_fed(config.max_fed, lm.device.type),
         "device": str(lm.device),
         "dtype": str(lm.model.dtype).removeprefix("torch."),
         "definitions": DEFINITIONS,

@@ -41,6 +41,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .kernels import install_dual_layout
+
 logger = logging.getLogger(__name__)
 
 BUNDLED = "smollm2-135m-mars"
@@ -264,8 +266,13 @@ def load_model(
     mask_token: str | None = None,
     device: str | None = None,
     trust_remote_code: bool = False,
+    fast_cpu: bool = False,
 ) -> LoadedModel:
-    """Load a checkpoint spec (see the module docstring); ``None`` means the bundled default."""
+    """Load a checkpoint spec (see the module docstring); ``None`` means the bundled default.
+
+    ``fast_cpu`` adds the CPU fast path of ``kernels.py`` (on a CPU, fp32): for a model
+    that is only decoded. Its weights must not change afterwards (no training, no merging).
+    """
     started = time.perf_counter()
     spec = spec or BUNDLED
     dev, dtype = pick_device(device)
@@ -302,9 +309,16 @@ def load_model(
     if spec == BUNDLED or adapter_dir is not None:
         saved = {**saved, **MarsMeta.read(BUNDLED_ADAPTER if spec == BUNDLED else adapter_dir)}
     model.eval()
+    if fast_cpu and dev.type == "cpu" and dtype == torch.float32:
+        install_dual_layout(model)
     meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     seconds = time.perf_counter() - started
     logger.info("loaded %s in %.1f s (%s, %s)", spec, seconds, dev, dtype)
     return LoadedModel(model=model, tokenizer=tokenizer, meta=meta, name=spec, load_seconds=seconds)
+
+
+def load_for_decoding(spec: str | None = None) -> LoadedModel:
+    """The app's loader: ``load_model`` with the CPU fast path (the app never changes weights)."""
+    return load_model(spec, fast_cpu=True)

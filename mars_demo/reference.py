@@ -26,12 +26,18 @@ def reference_decode(
     stop_ids: set[int],
     metric: str = "probability",
     block_capped: bool = False,
+    max_fed: int | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Greedy MARS decoding without a cache. Returns (generated ids, tokens accepted per pass)."""
+    """Greedy MARS decoding without a cache. Returns (generated ids, tokens accepted per pass).
+
+    ``max_fed`` caps the tokens a cached pass would feed (see ``DecodeConfig``).
+    """
     generated: list[int] = []
     per_pass: list[int] = []
     while len(generated) < max_new_tokens:
         window = block_size - len(generated) % block_size if block_capped else block_size
+        if max_fed is not None and per_pass:
+            window = min(window, max(2, max_fed - per_pass[-1] + 1))
         fed = torch.tensor([prompt + generated + [mask_id] * (window - 1)], device=model.device)
         logits = model(input_ids=fed).logits[0, -window:]  # (window, vocab)
         tokens, probs = choose(logits)

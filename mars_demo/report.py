@@ -90,10 +90,10 @@ def tokens_per_forward(runs: list[dict]) -> go.Figure:
 
 def pass_profile(profile: dict) -> go.Figure:
     """Stacked milliseconds per pass: model body, LM head, acceptance and host work."""
-    modes = [m for m in ("mars", "ar") if m in profile]
+    modes = [m for m in ("mars", "mars_full_window", "ar") if m in profile]
     parts = [k for k in profile[modes[0]]["ms_per_pass"] if k != "total"] if modes else []
     fig = go.Figure([
-        go.Bar(name=part, x=[f"{m} (tau={profile['tau']:g})" if m == "mars" else m for m in modes],
+        go.Bar(name=part, x=[f"{m} (tau={profile['tau']:g})" if m.startswith("mars") else m for m in modes],
                y=[profile[m]["ms_per_pass"][part] for m in modes])
         for part in parts
     ])

@@ -11,8 +11,8 @@ import time
 import gradio as gr
 import pytest
 
-from mars_demo.config import DecodeConfig
-from mars_demo.decoding import LiveTau, StepEvent, generate
+from mars_demo.config import DecodeConfig, resolve_max_fed
+from mars_demo.decoding import LiveTau, StepEvent, capped_width, generate
 from mars_demo.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelCache, model_choices
@@ -20,7 +20,8 @@ from mars_demo.ui.race import RaceTrace, Session, interleave
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 
 PROMPT = "Explain why the sky is blue."
-SETTINGS = dict(spec=BUNDLED, tau=0.9, block_size=4, max_new_tokens=24, metric="probability", temperature=0.0, with_ar=True)
+SETTINGS = dict(spec=BUNDLED, tau=0.9, block_size=4, max_new_tokens=24, metric="probability", temperature=0.0,
+                full_window=False, with_ar=True)
 
 
 def is_skip(value) -> bool:
@@ -40,7 +41,7 @@ def handlers(tiny_qwen, tmp_path):
 def start(handlers: DemoHandlers, session: Session, prompt: str = PROMPT, **changes):
     s = {**SETTINGS, **changes}
     return handlers.run(prompt, s["spec"], s["tau"], s["block_size"], s["max_new_tokens"], s["metric"],
-                        s["temperature"], s["with_ar"], session)
+                        s["temperature"], s["full_window"], s["with_ar"], session)
 
 
 def test_build_demo_loads_no_model():
@@ -105,9 +106,10 @@ def test_ar_side_can_be_switched_off(handlers):
     assert set(json.loads(open(outputs[-1][6]["value"]).read())["sides"]) == {"mars"}
 
 
-def test_tau_set_mid_run_is_used_from_the_next_pass(handlers):
+@pytest.mark.parametrize("full_window", [False, True])
+def test_tau_set_mid_run_is_used_from_the_next_pass(handlers, full_window):
     session = Session()
-    run = start(handlers, session, max_new_tokens=40)
+    run = start(handlers, session, max_new_tokens=40, full_window=full_window)
     next(run)  # reset
     next(run)  # MARS pass 1
     next(run)  # AR pass 1
@@ -116,8 +118,11 @@ def test_tau_set_mid_run_is_used_from_the_next_pass(handlers):
     mars = session.trace.mars
     assert mars[0].tau == 0.9
     assert all(s.tau == 0.0 for s in mars[1:])
-    # at tau = 0 every candidate is accepted: whole blocks until the end
-    assert all(len(s.token_ids) == 4 for s in mars[1:-1])
+    # at tau = 0 every candidate a pass offers is accepted: whole blocks with the full window,
+    # else (on a CPU) as many as the default cap on the tokens fed leaves after the previous pass
+    cap = resolve_max_fed(DecodeConfig().max_fed, "cpu")
+    widths = [4 if full_window else capped_width(4, len(s.token_ids), cap) for s in mars[:-2]]
+    assert [len(s.token_ids) for s in mars[1:-1]] == widths
     assert session.trace.to_json()["sides"]["mars"]["passes"][1]["tau"] == 0.0
 
 

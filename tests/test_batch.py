@@ -205,7 +205,7 @@ def test_token_scheme_rows_equal_the_cached_single_sequence_decoder(tiny_qwen):
     from mars_demo.decoding import collect, stream
 
     ids = _ids(tiny_qwen)
-    config = DecodeConfig(tau=0.2, max_new_tokens=NEW)
+    config = DecodeConfig(tau=0.2, max_new_tokens=NEW, max_fed=None)  # batch passes take no cap
     batch = collect_batch(stream_batch(tiny_qwen.model, tiny_qwen.tokenizer, ids, config,
                                        mask_id=tiny_qwen.meta.mask_token_id, block_size=4, scheme="token"))
     for row, prompt in zip(batch.token_ids, ids):

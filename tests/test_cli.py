@@ -24,6 +24,17 @@ def test_generate_json_lines_for_a_prompts_file(model_dir, tmp_path, capsys):
         assert all(s["tau"] == 0.3 and len(s["confidences"]) == len(s["tokens"]) for s in r["steps"])
 
 
+def test_generate_max_fed_none_gives_the_full_window(model_dir, capsys):
+    """tau 0 accepts every candidate: the paper's window gives B per pass; the default CPU cap fewer after the first."""
+    def per_pass(*flags):
+        assert main(["generate", "--model", model_dir, "--prompt", "Count.", "--tau", "0", "--block-size", "4",
+                     "--max-new-tokens", "16", "--json", *flags]) == 0
+        return [len(s["tokens"]) for s in json.loads(capsys.readouterr().out)["steps"]]
+
+    assert per_pass("--max-fed", "none") == [4, 4, 4, 4]
+    assert per_pass()[:3] == [4, 2, 2]
+
+
 def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
@@ -38,6 +49,7 @@ def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
         (["--prompt", ""], "empty"),
         (["--prompt", "hi", "--tau", "1.5"], "tau"),
         (["--prompt", "hi", "--tau", "abc"], "tau"),
+        (["--prompt", "hi", "--max-fed", "1"], "max-fed"),
         (["--prompt", "hi", "--block-size", "0"], "block size"),
         (["--prompt", "hi", "--max-new-tokens", "0"], "max new tokens"),
         (["--prompt", "hi", "--model", "/no/such/model"], "unknown model"),
@@ -45,9 +57,10 @@ def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
-    with pytest.raises(SystemExit) if "abc" in args else _no_raise() as raised:
+    parse_error = "abc" in args or "--max-fed" in args  # argparse refuses these itself
+    with pytest.raises(SystemExit) if parse_error else _no_raise() as raised:
         code = main(["generate", *args])
-    code = raised.value.code if "abc" in args else code
+    code = raised.value.code if parse_error else code
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and err.startswith("error:") and message in err

@@ -12,7 +12,7 @@ from mars_demo.data import read_jsonl
 
 def test_data_command_holds_out_chunks_and_resumes(tmp_path, monkeypatch):
     lm = make_lm("llama")
-    monkeypatch.setattr(data_command, "load_model", lambda spec: lm)
+    monkeypatch.setattr(data_command, "load_model", lambda spec, **options: lm)
     # The tiny random model rarely ends a request, so the prompts are made up; the answers are really distilled.
     monkeypatch.setattr(data_command, "sample_prompts", lambda lm, n, seed, batch_size: [f"request {seed}-{i}" for i in range(n)])
     args = ["data", "--out-dir", str(tmp_path), "--chunk-size", "3", "--heldout-every", "2", "--max-new-tokens", "4"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, make_lm
-from mars_demo.config import DecodeConfig
+from mars_demo.config import CPU_MAX_FED, DecodeConfig, resolve_max_fed
 from mars_demo.data import prompt_ids
 from mars_demo.decoding import Detokenizer, LiveTau, collect, eos_ids, generate, stream
 from mars_demo.reference import reference_decode
@@ -30,17 +30,18 @@ def test_tau_one_equals_transformers_greedy(tiny_lm, mode):
         assert ours.stats.forward_passes == len(ours.token_ids)
 
 
+@pytest.mark.parametrize("max_fed", [None, 2, 3])
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 @pytest.mark.parametrize("tau", [0.3, 0.7, 0.9])
-def test_cached_equals_uncached_reference(tiny_lm, tau, block_size):
+def test_cached_equals_uncached_reference(tiny_lm, tau, block_size, max_fed):
     stop = eos_ids(tiny_lm.model, tiny_lm.tokenizer)
     for prompt in PROMPTS:
         ids = prompt_ids(tiny_lm.tokenizer, prompt)
-        config = DecodeConfig(tau=tau, block_size=block_size, max_new_tokens=MAX_NEW)
+        config = DecodeConfig(tau=tau, block_size=block_size, max_new_tokens=MAX_NEW, max_fed=max_fed)
         ours = collect(stream(tiny_lm.model, tiny_lm.tokenizer, ids, config, mask_id=tiny_lm.meta.mask_token_id, block_size=4))
         expected, per_pass = reference_decode(
             tiny_lm.model, ids, block_size=block_size, mask_id=tiny_lm.meta.mask_token_id, tau=tau,
-            max_new_tokens=MAX_NEW, stop_ids=stop,
+            max_new_tokens=MAX_NEW, stop_ids=stop, max_fed=max_fed,
         )
         assert ours.token_ids == expected
         assert [len(s.token_ids) for s in ours.steps] == per_pass
@@ -67,7 +68,7 @@ def test_streamed_events_add_up_to_the_output(tiny_lm):
 
 def test_tau_changed_between_passes_is_used_from_the_next_pass(tiny_llama):
     live = LiveTau(0.0)  # tau 0 accepts every candidate: B tokens per pass
-    events = generate(tiny_llama, PROMPTS[0], DecodeConfig(max_new_tokens=60), tau=live)
+    events = generate(tiny_llama, PROMPTS[0], DecodeConfig(max_new_tokens=60, max_fed=None), tau=live)
     first = [next(events), next(events)]
     live.set(1.0)
     rest = list(events)
@@ -144,3 +145,21 @@ def test_detokenizer_streams_split_characters_whole(tiny_llama):
     pieces[-1] += detok.flush()
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_max_fed_caps_the_tokens_accepted_after_a_wide_pass(tiny_lm):
+    """tau 0 accepts every candidate: B per pass uncapped; under a cap of 3, a pass after
+    one that accepted k tokens offers max(2, 4 - k) candidates (the prefill pass offers B)."""
+    uncapped = collect(generate(tiny_lm, PROMPTS[0], DecodeConfig(tau=0.0, block_size=4, max_new_tokens=40, max_fed=None)))
+    capped = collect(generate(tiny_lm, PROMPTS[0], DecodeConfig(tau=0.0, block_size=4, max_new_tokens=40, max_fed=3)))
+    assert [len(s.token_ids) for s in uncapped.steps[:-1]] == [4] * (len(uncapped.steps) - 1)
+    assert [len(s.token_ids) for s in capped.steps[:4]] == [4, 2, 2, 2]
+
+
+def test_max_fed_auto_means_a_cap_on_cpu_only():
+    assert resolve_max_fed("auto", "cpu") == CPU_MAX_FED
+    assert resolve_max_fed("auto", "cuda") is None
+    assert resolve_max_fed(5, "cpu") == 5
+    for bad in (1, 0, "3", True, 2.5):
+        with pytest.raises(ValueError, match="max fed"):
+            DecodeConfig(max_fed=bad)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..bench import METHODS, BenchConfig, run_benchmark
-from ..cli import UserError, add_model_argument
+from ..cli import UserError, add_max_fed_argument, add_model_argument, max_fed_text
 from ..data import read_prompts
 from ..loading import load_model
 from ..report import format_table, write_report
@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("report.json"), help="report path; the HTML report goes beside it")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    add_max_fed_argument(parser)
+    parser.add_argument(
+        "--no-fast-cpu", action="store_true",
+        help="load plain transformers modules, without the CPU fast path of mars_demo/kernels.py (for a stock comparison)",
+    )
 
 
 def parse_config(args: argparse.Namespace) -> BenchConfig:
@@ -49,7 +54,7 @@ def parse_config(args: argparse.Namespace) -> BenchConfig:
     try:
         return BenchConfig(
             taus=taus, batch_sizes=batch_sizes, block_size=args.block_size,
-            max_new_tokens=args.max_new_tokens, methods=tuple(_csv(args.methods)),
+            max_new_tokens=args.max_new_tokens, methods=tuple(_csv(args.methods)), max_fed=args.max_fed,
         )
     except ValueError as err:
         raise UserError(str(err)) from None
@@ -59,7 +64,9 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
     """The command that reproduces this run, every setting spelled out."""
     parts = ["python", "-m", "mars_demo", "bench", "--model", args.model, "--prompts", str(args.prompts),
              "--taus", ",".join(f"{t:g}" for t in config.taus), "--batch-sizes", ",".join(map(str, config.batch_sizes)),
-             "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods), "--out", str(args.out)]
+             "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods), "--max-fed", max_fed_text(config.max_fed), "--out", str(args.out)]
+    if args.no_fast_cpu:
+        parts.append("--no-fast-cpu")
     for flag, value in (("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):
         if value is not None:
             parts += [flag, str(value)]
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, block_size=args.block_size, device=args.device)
+    lm = load_model(args.model, block_size=args.block_size, device=args.device, fast_cpu=not args.no_fast_cpu)
     report = run_benchmark(lm, prompts, config)
     report = {"command": command_line(args, config), "argv": sys.argv, **report}
     html_path = write_report(report, args.out)

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli import UserError, add_model_argument
+from ..cli import UserError, add_max_fed_argument, add_model_argument
 from ..data import read_prompts
 from ..evaluation import DEFAULT_TAUS, EvalConfig, evaluate
 from ..loading import BUNDLED_BASE, load_model
@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None, help="candidates per pass (default: the checkpoint's)")
     parser.add_argument("--out", type=Path, default=None, help="write the full report here as JSON")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up decodes (timings then include it)")
+    add_max_fed_argument(parser)
 
 
 def parse_taus(text: str) -> tuple[float, ...]:
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EvalConfig(
             taus=parse_taus(args.taus), max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-            warmup=not args.no_warmup,
+            warmup=not args.no_warmup, max_fed=args.max_fed,
         )
     except ValueError as err:
         raise UserError(str(err)) from None
@@ -100,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"no prompts in {args.prompts}")
     if any(not p.strip() for p in prompts):
         raise UserError("a prompt is empty")
-    lm = load_model(args.model, block_size=args.block_size)
-    base = lm if args.base == args.model else load_model(args.base)
+    lm = load_model(args.model, block_size=args.block_size, fast_cpu=True)
+    base = lm if args.base == args.model else load_model(args.base, fast_cpu=True)
     report = evaluate(lm, base, prompts, config)
     print(table(report), flush=True)
     if args.out is not None:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli import UserError, add_model_argument
+from ..cli import UserError, add_max_fed_argument, add_model_argument
 from ..config import METRICS, MODES, DecodeConfig
 from ..data import read_prompts
 from ..decoding import Generation, collect, generate
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-token", default=None, help="mask token, for a checkpoint that does not record one")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code to run")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    add_max_fed_argument(parser)
 
 
 def record(prompt: str, result: Generation, model: str) -> dict:
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     config = DecodeConfig(
         mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
         metric=args.metric, temperature=args.temperature, stop=tuple(args.stop), seed=args.seed,
+        max_fed=args.max_fed,
     )  # validates every value before the model loads
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = [args.prompt]
     if any(not p.strip() for p in prompts):
         raise UserError("the prompt is empty")
-    lm = load_model(args.model, block_size=args.block_size, mask_token=args.mask_token, trust_remote_code=args.trust_remote_code)
+    lm = load_model(args.model, block_size=args.block_size, mask_token=args.mask_token, trust_remote_code=args.trust_remote_code, fast_cpu=True)
     for prompt in prompts:
         result = collect(generate(lm, prompt, config))
         if args.json:

@@ -27,7 +27,7 @@ import gradio as gr
 from .. import charts
 from ..config import DecodeConfig
 from ..decoding import generate
-from ..loading import BUNDLED, LoadedModel, load_model
+from ..loading import BUNDLED, LoadedModel, load_for_decoding
 from ..sweep import frontier, plan, sweep_runs
 from .models import Loader, ModelCache, bundled_note
 from .race import RaceTrace, Session, interleave
@@ -52,7 +52,7 @@ class DemoHandlers:
 
     def __init__(
         self,
-        loader: Loader = load_model,
+        loader: Loader = load_for_decoding,
         *,
         capacity: int = 1,
         chart_every: float = 1.0,
@@ -100,11 +100,11 @@ class DemoHandlers:
         session.tau.set(float(value))
 
     # -- the race --------------------------------------------------------------------------
-    def _config(self, tau, block_size, max_new_tokens, metric, temperature) -> DecodeConfig:
+    def _config(self, tau, block_size, max_new_tokens, metric, temperature, full_window=False) -> DecodeConfig:
         try:
             return DecodeConfig(
                 tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
-                metric=metric, temperature=float(temperature),
+                metric=metric, temperature=float(temperature), max_fed=None if full_window else "auto",
             )
         except (TypeError, ValueError) as err:
             raise gr.Error(escape(str(err)), title="Bad setting") from None
@@ -132,11 +132,13 @@ class DemoHandlers:
             out[6:8] = [gr.update(value=None, interactive=False)] * 2
         return tuple(out)
 
-    def run(self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, with_ar, session: Session) -> Iterator[tuple]:
+    def run(
+        self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session
+    ) -> Iterator[tuple]:
         """Race MARS against AR on one prompt, streaming every forward pass of both."""
         if not (prompt or "").strip():
             raise gr.Error("Type a prompt first, or pick one of the examples.", title="Empty prompt")
-        config = self._config(tau, block_size, max_new_tokens, metric, temperature)
+        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window)
         lm = self._model(spec)
         session.tau.set(config.tau)
         try:  # a prompt longer than the model's context is refused here (or at the first pass)
@@ -190,14 +192,16 @@ class DemoHandlers:
             (self.trace_dir / f"{_stem(session)}{suffix}").unlink(missing_ok=True)
 
     # -- the sweep -------------------------------------------------------------------------
-    def sweep(self, prompts, taus, max_new_tokens, spec, block_size, metric, temperature, progress=gr.Progress()) -> Iterator[tuple]:
+    def sweep(
+        self, prompts, taus, max_new_tokens, spec, block_size, metric, temperature, full_window=False, progress=gr.Progress()
+    ) -> Iterator[tuple]:
         """Run the chosen prompts at each tau (and 1.0, and AR); yield after every run, the frontier after every prompt."""
         prompts = list(prompts or [])
         try:
             runs_planned = plan(prompts, [float(t) for t in taus or []])
         except ValueError as err:
             raise gr.Error(escape(str(err)), title="Nothing to sweep") from None
-        config = self._config(1.0, block_size, max_new_tokens, metric, temperature)
+        config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window)
         lm = self._model(spec)
         runs = []
         progress((0, len(runs_planned)), desc=_sweep_desc(runs_planned, 0, prompts))
