@@ -499,9 +499,12 @@ def train(
         examples = examples[: saved["examples"]]  # a distilled file may have grown since
         if len(examples) < saved["examples"] or examples_digest(examples) != saved["digest"]:
             raise ValueError("the data file no longer starts with the examples this run was trained on")
-        init_adapter = None  # the checkpoint holds the weights
+        started_from = saved.get("init_adapter")  # for training.json; the checkpoint holds the weights
+        init_adapter = None
     elif (ckpt_dir / "state.pt").is_file():
         raise ValueError(f"{out_dir} holds a checkpoint: pass --resume to continue it, or choose another --out")
+    else:
+        started_from = str(init_adapter) if init_adapter is not None else None
     if not examples:
         raise ValueError("no training examples")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -533,7 +536,7 @@ def train(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     payload = lambda: {  # noqa: E731
         "step": step, "seconds": seconds, "config": asdict(config), "examples": len(examples),
-        "digest": examples_digest(examples), "base": base_spec, "data": data_path,
+        "digest": examples_digest(examples), "base": base_spec, "data": data_path, "init_adapter": started_from,
     }
 
     def checkpoint() -> None:
@@ -578,7 +581,7 @@ def train(
 
     if step == steps:
         summary = describe(config) | {
-            "data": data_path, "examples": len(examples), "steps": step,
+            "data": data_path, "init_adapter": started_from, "examples": len(examples), "steps": step,
             "epochs": round(step * config.grad_accum * config.batch_size / len(examples), 3),
             "wall_seconds": round(seconds, 1), "seconds_per_step": round(seconds / max(step, 1), 3),
             "hardware": hardware(device), "base": base_spec, "mask_token": lm.meta.mask_token,

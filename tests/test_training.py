@@ -309,6 +309,8 @@ def test_init_adapter_starts_from_its_weights(tmp_path, base_dir):
         base_spec=base_dir, init_adapter=first, progress=False,
     )
     torch.testing.assert_close(logits_of(second.model.eval(), ids), expected, rtol=1e-4, atol=1e-4)
+    assert json.loads((tmp_path / "second" / "training.json").read_text())["init_adapter"] == str(first)
+    assert json.loads((first / "training.json").read_text())["init_adapter"] is None
 
 
 # ----------------------------------------------------------------------------- command line
