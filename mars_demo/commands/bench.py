@@ -64,7 +64,8 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
     """The command that reproduces this run, every setting spelled out."""
     parts = ["python", "-m", "mars_demo", "bench", "--model", args.model, "--prompts", str(args.prompts),
              "--taus", ",".join(f"{t:g}" for t in config.taus), "--batch-sizes", ",".join(map(str, config.batch_sizes)),
-             "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods), "--max-fed", max_fed_text(config.max_fed), "--out", str(args.out)]
+             "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods),
+             "--max-fed", max_fed_text(config.max_fed), "--out", str(args.out)]
     if args.no_fast_cpu:
         parts.append("--no-fast-cpu")
     for flag, value in (("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):

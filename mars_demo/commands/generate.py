@@ -71,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
         prompts = [args.prompt]
     if any(not p.strip() for p in prompts):
         raise UserError("the prompt is empty")
-    lm = load_model(args.model, block_size=args.block_size, mask_token=args.mask_token, trust_remote_code=args.trust_remote_code, fast_cpu=True)
+    lm = load_model(
+        args.model, block_size=args.block_size, mask_token=args.mask_token,
+        trust_remote_code=args.trust_remote_code, fast_cpu=True,
+    )
     for prompt in prompts:
         result = collect(generate(lm, prompt, config))
         if args.json:
