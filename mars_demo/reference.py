@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .acceptance import accept_count, choose, confidence
+from .decoding import capped_width
 
 
 @torch.inference_mode()
@@ -37,7 +38,7 @@ def reference_decode(
     while len(generated) < max_new_tokens:
         window = block_size - len(generated) % block_size if block_capped else block_size
         if max_fed is not None and per_pass:
-            window = min(window, max(2, max_fed - per_pass[-1] + 1))
+            window = capped_width(window, per_pass[-1], max_fed)  # the last pass's tokens are fed again
         fed = torch.tensor([prompt + generated + [mask_id] * (window - 1)], device=model.device)
         logits = model(input_ids=fed).logits[0, -window:]  # (window, vocab)
         tokens, probs = choose(logits)
