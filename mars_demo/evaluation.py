@@ -21,8 +21,13 @@ comes first. All decoding is greedy. Figures per tau, pooled over the prompts:
   delta_nll           NLL per token under the base model (teacher-forced) of the MARS
                       outputs minus that of the tau = 1.0 outputs; each NLL per token is
                       token-weighted over the prompts (sum of token NLLs / total tokens).
+  repeated_ngrams     share of the outputs' token 4-grams that already occurred earlier in
+                      the same output, pooled: loops lower the NLL, so read dNLL beside it.
 Once per run: tau1_vs_base_nll, the same pooled NLL per token of the tau = 1.0 outputs
-minus that of the base model's own greedy outputs (decoded with the base model).
+minus that of the base model's own greedy outputs (decoded with the base model); and
+base_argmax_agreement, the share of the base's greedy output tokens that the evaluated
+model's teacher-forced argmax reproduces: one-token drift from the base without the
+noise of where two greedy outputs part.
 
 The metric functions (``teacher_forced``, ``mean_nll``, ``prefix_agreement``,
 ``pass_positions``, ``ar_match``) are pure and small, for reuse by the benchmark.
@@ -47,6 +52,7 @@ from .loading import LoadedModel
 logger = logging.getLogger(__name__)
 
 REFERENCE_TAU = 1.0
+NGRAM = 4  # repeated_ngrams counts token 4-grams
 # Written into the JSON report so that it explains itself; the module docstring says the same.
 DEFINITIONS = {
     "tokens_per_forward": "total tokens / total forward passes, over the prompts",
@@ -59,7 +65,10 @@ DEFINITIONS = {
     "exact_match": "share of prompts whose output equals the tau=1.0 output",
     "nll": "NLL per token under the base model, teacher-forced, token-weighted over prompts",
     "delta_nll": "nll of this tau's outputs minus nll of the tau=1.0 outputs",
+    "repeated_ngrams": f"share of token {NGRAM}-grams that repeat an earlier one in the same output, pooled",
     "tau1_vs_base_nll": "nll of the tau=1.0 outputs minus nll of the base model's own greedy outputs",
+    "base_argmax_agreement": "share of the base's greedy output tokens equal to the evaluated model's "
+    "teacher-forced argmax at that position",
 }
 DEFAULT_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
 WARMUP_TOKENS = 8
@@ -115,6 +124,24 @@ def pooled_nll(scores: Sequence[Scored]) -> float:
     """Token-weighted NLL per token over several outputs: sum of token NLLs / total tokens (0.0 if none)."""
     tokens = sum(s.tokens for s in scores)
     return sum(s.total for s in scores) / tokens if tokens else 0.0
+
+
+def repeated_ngrams(output: Sequence[int], n: int = NGRAM) -> tuple[int, int]:
+    """(n-grams that occurred earlier in ``output``, all n-grams of ``output``)."""
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for i in range(len(output) - n + 1):
+        gram = tuple(output[i : i + n])
+        repeats += gram in seen
+        seen.add(gram)
+    return repeats, max(len(output) - n + 1, 0)
+
+
+def repetition(outputs: Sequence[Sequence[int]]) -> float:
+    """Pooled share of repeated n-grams over several outputs (0.0 when none has an n-gram)."""
+    counts = [repeated_ngrams(o) for o in outputs]
+    total = sum(n for _, n in counts)
+    return sum(r for r, _ in counts) / total if total else 0.0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -290,7 +317,7 @@ class Scorer:
 
 def score_all(runs: Runs, own: Scorer, base: Scorer, progress: bool = True) -> None:
     """Fill both scorers' memos: the evaluated model scores MARS outputs, the base scores those and its own."""
-    jobs = [(own, i, r.token_ids) for mine in runs.mars.values() for i, r in enumerate(mine)]
+    jobs = [(own, i, r.token_ids) for mine in [*runs.mars.values(), runs.base] for i, r in enumerate(mine)]
     jobs += [(base, i, r.token_ids) for mine in [*runs.mars.values(), runs.base] for i, r in enumerate(mine)]
     todo = list(dict.fromkeys(job for job in jobs if (job[1], job[2]) not in job[0].memo))
     for scorer, i, output in tqdm(todo, desc="score", disable=not progress):
@@ -329,6 +356,7 @@ def tau_row(
         "exact_match": sum(a == 1.0 for a in agreement) / len(agreement),
         "nll": nll,
         "delta_nll": nll - reference_nll,
+        "repeated_ngrams": repetition([r.token_ids for r in runs]),
     }
 
 
@@ -337,6 +365,10 @@ def summarise(runs: Runs, own: Scorer, base: Scorer, texts: list[str]) -> dict:
     reference = runs.mars[REFERENCE_TAU]
     ref_nll = pooled_nll([base(i, r.token_ids) for i, r in enumerate(reference)])
     base_nll = pooled_nll([base(i, r.token_ids) for i, r in enumerate(runs.base)])
+    base_tokens = sum(r.tokens for r in runs.base)
+    agreeing = sum(
+        sum(a == t for a, t in zip(own(i, r.token_ids).argmax, r.token_ids)) for i, r in enumerate(runs.base)
+    )
     rows = []
     for tau, mine in runs.mars.items():
         own_scores = [own(i, r.token_ids) for i, r in enumerate(mine)]
@@ -355,6 +387,8 @@ def summarise(runs: Runs, own: Scorer, base: Scorer, texts: list[str]) -> dict:
         "tau1_nll": ref_nll,
         "base_greedy_nll": base_nll,
         "tau1_vs_base_nll": ref_nll - base_nll,
+        "base_argmax_agreement": agreeing / base_tokens if base_tokens else 1.0,
+        "base_greedy_repeated_ngrams": repetition([r.token_ids for r in runs.base]),
         "taus": rows,
         "per_prompt": [
             {

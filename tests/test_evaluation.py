@@ -25,6 +25,8 @@ from mars_demo.evaluation import (
     pass_positions,
     pooled_nll,
     prefix_agreement,
+    repeated_ngrams,
+    repetition,
     tau_row,
     teacher_forced,
 )
@@ -47,6 +49,14 @@ from mars_demo.evaluation import (
 def test_prefix_agreement(a, b, expected):
     assert prefix_agreement(a, b) == expected
     assert prefix_agreement(b, a) == expected  # symmetric
+
+
+def test_repeated_ngrams():
+    assert repeated_ngrams([1, 2, 3, 4, 1, 2, 3, 4, 1], n=4) == (2, 6)  # 1234 and 2341 come back
+    assert repeated_ngrams([7] * 6, n=4) == (2, 3)
+    assert repeated_ngrams([1, 2, 3], n=4) == (0, 0)
+    assert repetition([[1, 2, 3, 4, 5], [9, 9, 9, 9, 9, 9]]) == pytest.approx(2 / 5)
+    assert repetition([[], [1]]) == 0.0
 
 
 def test_common_prefix():
@@ -164,6 +174,10 @@ def test_evaluate_with_a_separate_base_and_a_foreign_tokenizer(tiny_llama):
     greedy = [r["base_greedy"]["token_ids"] for r in report["per_prompt"]]
     assert greedy == [_greedy(base, p, 5)[1] for p in PROMPTS[:2]]  # decoded by the base, not the model
     assert report["tau1_vs_base_nll"] > 0  # the base likes its own greedy output best
+    own_argmax = [teacher_forced(tiny_llama.model, prompt_ids(tiny_llama.tokenizer, p), g).argmax
+                  for p, g in zip(PROMPTS[:2], greedy)]
+    agreeing = sum(a == t for argmax, g in zip(own_argmax, greedy) for a, t in zip(argmax, g))
+    assert report["base_argmax_agreement"] == agreeing / sum(map(len, greedy)) < 1.0
     with pytest.raises(ValueError, match="tokenizer"):
         evaluate(tiny_llama, make_lm("qwen2"), PROMPTS[:1], config, progress=False)
 
@@ -193,11 +207,12 @@ def test_eval_command_writes_a_sane_report(model_dir, tmp_path, capsys):
     assert ref["extra_tokens"] == 0 and ref["extra_ar_match"] == 1.0
     assert report["tau1_equals_ar"] == 1.0
     assert report["tau1_vs_base_nll"] == pytest.approx(0.0, abs=1e-9)  # base == model: its greedy is the tau = 1.0 output
+    assert report["base_argmax_agreement"] == 1.0 and "reproduces 100.0%" in printed
     for row in report["taus"]:
         assert set(row) >= {"tokens_per_forward", "speedup", "extra_ar_match", "prefix_agreement", "exact_match", "delta_nll"}
         assert 1.0 <= row["tokens_per_forward"] <= report["block_size"]
         assert 0.0 <= row["extra_ar_match"] <= 1.0 and 0.0 <= row["prefix_agreement"] <= 1.0
-        assert row["speedup"] > 0
+        assert row["speedup"] > 0 and 0.0 <= row["repeated_ngrams"] < 1.0
         assert row["by_position"][0]["position"] == 1 and row["by_position"][0]["ar_match"] == 1.0
     assert others[-1]["tokens_per_forward"] > 1.0  # the peaked tiny model accepts extras at tau = 0.3
     for record in report["per_prompt"]:

@@ -334,6 +334,13 @@ def test_train_command(tmp_path, base_dir, capsys):
     assert cli.main(["train", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
     assert cli.main(["train", "--data", str(data), "--out", str(out), "--batch-size", "0"]) == 2
 
+    later = tmp_path / "later"
+    assert cli.main(argv[:6] + [str(later), "--skip-rows", "3"] + argv[7:]) == 0
+    summary = json.loads((later / "training.json").read_text())
+    assert summary["examples"] == 2 and summary["data"] == f"{data}[3:]"
+    assert cli.main(argv[:6] + [str(tmp_path / "none"), "--skip-rows", "5"] + argv[7:]) == 2
+    assert "after row 5" in capsys.readouterr().err
+
 
 def test_distill_command_appends_and_resumes(tmp_path, base_dir, capsys):
     prompts = tmp_path / "prompts.json"

@@ -18,6 +18,10 @@ DEFAULTS = TrainConfig()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", default=BUNDLED_BASE, help=f"base checkpoint spec (default: {BUNDLED_BASE})")
     parser.add_argument("--data", type=Path, required=True, help="JSONL with prompt_ids and response_ids (from distill)")
+    parser.add_argument(
+        "--skip-rows", type=int, default=0,
+        help="leave out the first N rows of --data (e.g. the rows an --init-adapter was trained on)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory (adapter, logs, checkpoint)")
     parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="MARS block size B")
     kind = parser.add_mutually_exclusive_group()
@@ -44,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, max_response_tokens=args.max_response_tokens, save_every=args.save_every,
         seed=args.seed,
     )  # validates before anything loads
+    if args.skip_rows < 0:
+        raise UserError(f"--skip-rows must be >= 0, got {args.skip_rows}")
     if not args.data.is_file():
         raise UserError(f"data file not found: {args.data}")
     if args.init_adapter is not None and not (args.init_adapter / "adapter_config.json").is_file():
@@ -53,16 +59,18 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not (args.out / "checkpoint" / "state.pt").is_file():
         raise UserError(f"nothing to resume: {args.out / 'checkpoint'} holds no checkpoint")
     try:
-        rows = read_jsonl(args.data)
+        rows = read_jsonl(args.data)[args.skip_rows :]
         examples = load_examples(rows, config.max_response_tokens)
     except (KeyError, ValueError) as err:
         raise UserError(f"{args.data} is not a distilled JSONL file ({err})") from None
     if not examples:
-        raise UserError(f"no usable examples in {args.data}")
+        after = f" after row {args.skip_rows}" if args.skip_rows else ""
+        raise UserError(f"no usable examples in {args.data}{after}")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
     lm = load_model(args.base, block_size=config.block_size, device=args.device)
     result = train(
-        lm, examples, config, args.out, base_spec=args.base, data_path=str(args.data),
+        lm, examples, config, args.out, base_spec=args.base,
+        data_path=f"{args.data}[{args.skip_rows}:]" if args.skip_rows else str(args.data),
         init_adapter=args.init_adapter, resume=args.resume,
     )
     last = result.history[-1] if result.history else None
