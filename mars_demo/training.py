@@ -75,6 +75,8 @@ class TrainConfig:
             raise ValueError(f"max steps must be at least 1, got {self.max_steps}")
         if self.epochs <= 0 or self.lr <= 0:
             raise ValueError("epochs and learning rate must be positive")
+        if self.ar_weight < 0:
+            raise ValueError(f"AR weight must be >= 0, got {self.ar_weight}")
         if not 0.0 <= self.warmup < 1.0:
             raise ValueError(f"warm-up must be a fraction in [0, 1), got {self.warmup}")
 
@@ -347,6 +349,7 @@ class StepLog:
 
 CHECKPOINT = "checkpoint"
 LOSS_LOG = "loss.jsonl"
+SMOOTHING = 25  # steps in the loss curve's running mean
 
 
 def describe(config: TrainConfig) -> dict:
@@ -434,8 +437,12 @@ def plot_losses(history: list[StepLog], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [h.step for h in history]
+    window = min(SMOOTHING, len(history))
     for name, label in (("loss", "total"), ("noisy_loss", "noisy (future tokens)"), ("ar_loss", "AR (next token)")):
-        ax.plot(steps, [getattr(h, name) for h in history], label=label, linewidth=1)
+        values = [getattr(h, name) for h in history]
+        line, = ax.plot(steps, values, linewidth=0.6, alpha=0.35)
+        means = [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
+        ax.plot(steps, means, color=line.get_color(), linewidth=1.6, label=f"{label}, mean of {window} steps")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("MARS fine-tuning")

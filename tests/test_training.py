@@ -215,6 +215,10 @@ def test_loss_falls(tmp_path):
     assert last.noisy_loss < 0.7 * first.noisy_loss and last.ar_loss < first.ar_loss
     assert all(h.loss == pytest.approx(h.noisy_loss + h.ar_loss, abs=1e-3) for h in result.history)
 
+    config = TrainConfig(max_steps=2, ar_weight=3.0, **FAST)
+    weighted = train(make_lm("qwen2"), examples, config, tmp_path / "w", base_spec="tiny", progress=False)
+    assert all(h.loss == pytest.approx(h.noisy_loss + 3.0 * h.ar_loss, abs=1e-3) for h in weighted.history)
+
 
 def logits_of(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
@@ -333,11 +337,12 @@ def test_train_command(tmp_path, base_dir, capsys):
     assert "--resume" in capsys.readouterr().err
     assert cli.main(["train", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
     assert cli.main(["train", "--data", str(data), "--out", str(out), "--batch-size", "0"]) == 2
+    assert cli.main(["train", "--data", str(data), "--out", str(out), "--ar-weight", "-1"]) == 2
 
     later = tmp_path / "later"
-    assert cli.main(argv[:6] + [str(later), "--skip-rows", "3"] + argv[7:]) == 0
+    assert cli.main(argv[:6] + [str(later), "--skip-rows", "3", "--ar-weight", "2.5"] + argv[7:]) == 0
     summary = json.loads((later / "training.json").read_text())
-    assert summary["examples"] == 2 and summary["data"] == f"{data}[3:]"
+    assert summary["examples"] == 2 and summary["data"] == f"{data}[3:]" and summary["ar_weight"] == 2.5
     assert cli.main(argv[:6] + [str(tmp_path / "none"), "--skip-rows", "5"] + argv[7:]) == 2
     assert "after row 5" in capsys.readouterr().err
 

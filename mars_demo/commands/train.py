@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: the rank)")
     parser.add_argument("--epochs", type=float, default=DEFAULTS.epochs)
     parser.add_argument("--lr", type=float, default=DEFAULTS.lr, help="peak learning rate (3%% warm-up, cosine decay)")
+    parser.add_argument(
+        "--ar-weight", type=float, default=DEFAULTS.ar_weight,
+        help="weight of the clean stream's AR loss (METHOD.md: 1.0); more keeps tau = 1.0 closer to the base",
+    )
     parser.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size)
     parser.add_argument("--grad-accum", type=int, default=DEFAULTS.grad_accum, help="micro-batches per optimizer step")
     parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
@@ -46,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, lora_rank=None if args.full else args.lora_rank, lora_alpha=args.lora_alpha,
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
         max_steps=args.max_steps, max_response_tokens=args.max_response_tokens, save_every=args.save_every,
-        seed=args.seed,
+        ar_weight=args.ar_weight, seed=args.seed,
     )  # validates before anything loads
     if args.skip_rows < 0:
         raise UserError(f"--skip-rows must be >= 0, got {args.skip_rows}")
