@@ -30,7 +30,7 @@ model's teacher-forced argmax reproduces: one-token drift from the base without 
 noise of where two greedy outputs part.
 
 The metric functions (``teacher_forced``, ``mean_nll``, ``prefix_agreement``,
-``pass_positions``, ``ar_match``) are pure and small, for reuse by the benchmark.
+``pass_positions``, ``ar_match``, ``repeated_ngrams``, ``argmax_agreement``) are pure and small, for reuse by the benchmark.
 """
 
 from __future__ import annotations
@@ -142,6 +142,13 @@ def repetition(outputs: Sequence[Sequence[int]]) -> float:
     counts = [repeated_ngrams(o) for o in outputs]
     total = sum(n for _, n in counts)
     return sum(r for r, _ in counts) / total if total else 0.0
+
+
+def argmax_agreement(scores: Sequence[Scored], outputs: Sequence[Sequence[int]]) -> float:
+    """Share of the tokens of ``outputs`` that equal the teacher-forced argmax there (1.0 if no tokens)."""
+    tokens = sum(len(o) for o in outputs)
+    same = sum(a == t for s, o in zip(scores, outputs) for a, t in zip(s.argmax, o))
+    return same / tokens if tokens else 1.0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -365,10 +372,6 @@ def summarise(runs: Runs, own: Scorer, base: Scorer, texts: list[str]) -> dict:
     reference = runs.mars[REFERENCE_TAU]
     ref_nll = pooled_nll([base(i, r.token_ids) for i, r in enumerate(reference)])
     base_nll = pooled_nll([base(i, r.token_ids) for i, r in enumerate(runs.base)])
-    base_tokens = sum(r.tokens for r in runs.base)
-    agreeing = sum(
-        sum(a == t for a, t in zip(own(i, r.token_ids).argmax, r.token_ids)) for i, r in enumerate(runs.base)
-    )
     rows = []
     for tau, mine in runs.mars.items():
         own_scores = [own(i, r.token_ids) for i, r in enumerate(mine)]
@@ -387,7 +390,9 @@ def summarise(runs: Runs, own: Scorer, base: Scorer, texts: list[str]) -> dict:
         "tau1_nll": ref_nll,
         "base_greedy_nll": base_nll,
         "tau1_vs_base_nll": ref_nll - base_nll,
-        "base_argmax_agreement": agreeing / base_tokens if base_tokens else 1.0,
+        "base_argmax_agreement": argmax_agreement(
+            [own(i, r.token_ids) for i, r in enumerate(runs.base)], [r.token_ids for r in runs.base]
+        ),
         "base_greedy_repeated_ngrams": repetition([r.token_ids for r in runs.base]),
         "taus": rows,
         "per_prompt": [

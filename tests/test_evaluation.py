@@ -24,6 +24,7 @@ from mars_demo.evaluation import (
     merge_counts,
     pass_positions,
     pooled_nll,
+    argmax_agreement,
     prefix_agreement,
     repeated_ngrams,
     repetition,
@@ -57,6 +58,12 @@ def test_repeated_ngrams():
     assert repeated_ngrams([1, 2, 3], n=4) == (0, 0)
     assert repetition([[1, 2, 3, 4, 5], [9, 9, 9, 9, 9, 9]]) == pytest.approx(2 / 5)
     assert repetition([[], [1]]) == 0.0
+
+
+def test_argmax_agreement():
+    scored = [Scored((0.1, 0.2, 0.3), (5, 6, 7)), Scored((0.1,), (9,))]
+    assert argmax_agreement(scored, [[5, 0, 7], [9]]) == 3 / 4
+    assert argmax_agreement([], []) == 1.0
 
 
 def test_common_prefix():
