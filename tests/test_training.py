@@ -346,6 +346,12 @@ def test_train_command(tmp_path, base_dir, capsys):
     assert cli.main(argv[:6] + [str(tmp_path / "none"), "--skip-rows", "5"] + argv[7:]) == 2
     assert "after row 5" in capsys.readouterr().err
 
+    window = tmp_path / "window"
+    assert cli.main(argv[:6] + [str(window), "--skip-rows", "1", "--max-rows", "3"] + argv[7:]) == 0
+    summary = json.loads((window / "training.json").read_text())
+    assert summary["examples"] == 3 and summary["data"] == f"{data}[1:4]"
+    assert cli.main(argv[:6] + [str(tmp_path / "zero"), "--max-rows", "0"] + argv[7:]) == 2
+
 
 def test_distill_command_appends_and_resumes(tmp_path, base_dir, capsys):
     prompts = tmp_path / "prompts.json"

@@ -22,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip-rows", type=int, default=0,
         help="leave out the first N rows of --data (e.g. the rows an --init-adapter was trained on)",
     )
+    parser.add_argument(
+        "--max-rows", type=int, default=None,
+        help="use at most N rows (after --skip-rows): a stage stays reproducible as --data grows",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory (adapter, logs, checkpoint)")
     parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="MARS block size B")
     kind = parser.add_mutually_exclusive_group()
@@ -54,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     )  # validates before anything loads
     if args.skip_rows < 0:
         raise UserError(f"--skip-rows must be >= 0, got {args.skip_rows}")
+    if args.max_rows is not None and args.max_rows < 1:
+        raise UserError(f"--max-rows must be >= 1, got {args.max_rows}")
+    end = None if args.max_rows is None else args.skip_rows + args.max_rows
     if not args.data.is_file():
         raise UserError(f"data file not found: {args.data}")
     if args.init_adapter is not None and not (args.init_adapter / "adapter_config.json").is_file():
@@ -63,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not (args.out / "checkpoint" / "state.pt").is_file():
         raise UserError(f"nothing to resume: {args.out / 'checkpoint'} holds no checkpoint")
     try:
-        rows = read_jsonl(args.data)[args.skip_rows :]
+        rows = read_jsonl(args.data)[args.skip_rows : end]
         examples = load_examples(rows, config.max_response_tokens)
     except (KeyError, ValueError) as err:
         raise UserError(f"{args.data} is not a distilled JSONL file ({err})") from None
@@ -71,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
         after = f" after row {args.skip_rows}" if args.skip_rows else ""
         raise UserError(f"no usable examples in {args.data}{after}")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
+    span = f"[{args.skip_rows or ''}:{end or ''}]" if args.skip_rows or end else ""  # the rows used, as a slice
     lm = load_model(args.base, block_size=config.block_size, device=args.device)
     result = train(
-        lm, examples, config, args.out, base_spec=args.base,
-        data_path=f"{args.data}[{args.skip_rows}:]" if args.skip_rows else str(args.data),
+        lm, examples, config, args.out, base_spec=args.base, data_path=f"{args.data}{span}",
         init_adapter=args.init_adapter, resume=args.resume,
     )
     last = result.history[-1] if result.history else None
