@@ -30,7 +30,8 @@ model's teacher-forced argmax reproduces: one-token drift from the base without 
 noise of where two greedy outputs part.
 
 The metric functions (``teacher_forced``, ``mean_nll``, ``prefix_agreement``,
-``pass_positions``, ``ar_match``, ``repeated_ngrams``, ``argmax_agreement``) are pure and small, for reuse by the benchmark.
+``pass_positions``, ``ar_match``, ``repeated_ngrams``, ``argmax_agreement``) are
+pure and small, for reuse by the benchmark.
 """
 
 from __future__ import annotations
