@@ -352,6 +352,18 @@ def test_train_command(tmp_path, base_dir, capsys):
     assert summary["examples"] == 3 and summary["data"] == f"{data}[1:4]"
     assert cli.main(argv[:6] + [str(tmp_path / "zero"), "--max-rows", "0"] + argv[7:]) == 2
 
+    looping = dict(tiny_rows(tokenizer, 1)[0], response_ids=[11, 12, 13, 14, 15] * 8)  # 32 of 37 4-grams repeat
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(data.read_text() + json.dumps(looping) + "\n")
+    unloop = tmp_path / "unloop"
+    assert cli.main(argv[:4] + [str(mixed)] + argv[5:6] + [str(unloop), "--max-repeat", "0.5"] + argv[7:]) == 0
+    summary = json.loads((unloop / "training.json").read_text())
+    assert summary["examples"] == 5
+    assert summary["data"] == f"{mixed} without loops (repeated 4-grams > 0.5: 1 of 6 rows)"
+    assert cli.main(argv[:4] + [str(mixed)] + argv[5:6] + [str(tmp_path / "all"), "--max-repeat", "1"] + argv[7:]) == 0
+    assert json.loads((tmp_path / "all" / "training.json").read_text())["examples"] == 6
+    assert cli.main(argv[:6] + [str(tmp_path / "bad"), "--max-repeat", "1.5"] + argv[7:]) == 2
+
 
 def test_distill_command_appends_and_resumes(tmp_path, base_dir, capsys):
     prompts = tmp_path / "prompts.json"

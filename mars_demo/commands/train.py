@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..cli import UserError
 from ..data import read_jsonl
+from ..evaluation import NGRAM, repetition
 from ..loading import BUNDLED_BASE, load_model
 from ..training import TrainConfig, load_examples, train
 
@@ -25,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-rows", type=int, default=None,
         help="use at most N rows (after --skip-rows): a stage stays reproducible as --data grows",
+    )
+    parser.add_argument(
+        "--max-repeat", type=float, default=None, metavar="SHARE",
+        help=f"leave out rows whose response repeats more than SHARE of its {NGRAM}-grams (the base model's loops)",
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory (adapter, logs, checkpoint)")
     parser.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="MARS block size B")
@@ -60,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--skip-rows must be >= 0, got {args.skip_rows}")
     if args.max_rows is not None and args.max_rows < 1:
         raise UserError(f"--max-rows must be >= 1, got {args.max_rows}")
+    if args.max_repeat is not None and not 0 <= args.max_repeat <= 1:
+        raise UserError(f"--max-repeat is a share of {NGRAM}-grams, between 0 and 1; got {args.max_repeat}")
     end = None if args.max_rows is None else args.skip_rows + args.max_rows
     if not args.data.is_file():
         raise UserError(f"data file not found: {args.data}")
@@ -74,11 +81,16 @@ def run(args: argparse.Namespace) -> int:
         examples = load_examples(rows, config.max_response_tokens)
     except (KeyError, ValueError) as err:
         raise UserError(f"{args.data} is not a distilled JSONL file ({err})") from None
+    span = f"[{args.skip_rows or ''}:{end or ''}]" if args.skip_rows or end else ""  # the rows used, as a slice
+    if args.max_repeat is not None:
+        kept = [ex for ex in examples if repetition([ex.response]) <= args.max_repeat]
+        dropped = f"{len(examples) - len(kept)} of {len(examples)} rows"
+        span += f" without loops (repeated {NGRAM}-grams > {args.max_repeat:g}: {dropped})"
+        examples = kept
     if not examples:
         after = f" after row {args.skip_rows}" if args.skip_rows else ""
         raise UserError(f"no usable examples in {args.data}{after}")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
-    span = f"[{args.skip_rows or ''}:{end or ''}]" if args.skip_rows or end else ""  # the rows used, as a slice
     lm = load_model(args.base, block_size=config.block_size, device=args.device)
     result = train(
         lm, examples, config, args.out, base_spec=args.base, data_path=f"{args.data}{span}",
