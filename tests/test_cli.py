@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -73,3 +75,19 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_training_commands_need_neither_plotly_nor_gradio():
+    """A bare GPU machine has torch, transformers and peft, but no plotly or gradio."""
+    code = (
+        "import sys; sys.modules['plotly'] = sys.modules['gradio'] = None\n"  # any import of them fails
+        "from mars_demo.cli import main\n"
+        "for command in ('data', 'distill', 'train', 'eval', 'generate'):\n"
+        "    try:\n"
+        "        main([command, '--help'])\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code == 0, command\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--max-repeat" in result.stdout

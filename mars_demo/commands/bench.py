@@ -13,7 +13,6 @@ from ..bench import METHODS, BenchConfig, run_benchmark
 from ..cli import UserError, add_max_fed_argument, add_model_argument, max_fed_text
 from ..data import read_prompts
 from ..loading import load_model
-from ..report import format_table, write_report
 
 HELP = "benchmark HF generate, our AR, MARS, batch decoding and prompt lookup: speed and quality"
 DEFAULTS = BenchConfig()
@@ -75,6 +74,8 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..report import format_table, write_report  # plotly: the other commands run without it (a bare GPU box)
+
     config = parse_config(args)  # every value checked before the model loads
     if not args.prompts.is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
