@@ -223,3 +223,35 @@ def test_token_scheme_feeds_no_masks_at_tau_one(tiny_llama):
         stop_ids=eos_ids(tiny_llama.model, tiny_llama.tokenizer),
     ))
     assert all(e.fed == 1 for e in events[1:])
+
+
+def _scheduled(lm, ids, scheme, schedule, max_new=NEW):
+    """Decode with tau = schedule[pass index % len(schedule)], set before every pass."""
+    tau = LiveTau(schedule[0])
+    events = []
+    for event in decode_batch(
+        lm.model, ids, scheme=scheme, block_size=4, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
+        tau=tau, max_new_tokens=max_new, stop_ids=eos_ids(lm.model, lm.tokenizer),
+    ):
+        events.append(event)
+        tau.set(schedule[(event.index + 1) % len(schedule)])
+    return [[t for e in events for t in e.rows[r].token_ids] for r in range(len(ids))], events
+
+
+def test_block_scheme_feeds_no_masks_at_tau_one(tiny_llama):
+    ids = _ids(tiny_llama)
+    tokens, events = _scheduled(tiny_llama, ids, "block", [1.0], max_new=10)
+    assert tokens == [_greedy(tiny_llama, p, 10) for p in ids]
+    assert {e.kind for e in events[1:]} == {"extend", "block-start"} and all(e.fed == 1 for e in events[1:])
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("schedule", [[1.0, 0.15], [0.15, 0.15, 1.0, 1.0, 1.0], [1.0, 1.0, 0.1]])
+def test_tau_one_passes_without_masks_accept_what_masked_passes_would(tiny_llama, scheme, schedule):
+    """Just below 1.0, masks are fed but none of these tiny models' candidates is that confident:
+    the same tokens, pass for pass, as tau = 1.0 passes that feed no masks at all."""
+    ids = _ids(tiny_llama)
+    fast, fast_events = _scheduled(tiny_llama, ids, scheme, schedule)
+    slow, slow_events = _scheduled(tiny_llama, ids, scheme, [1 - 1e-6 if t == 1.0 else t for t in schedule])
+    assert fast == slow and len(fast_events) == len(slow_events)
+    assert sum(e.fed for e in fast_events) < sum(e.fed for e in slow_events)

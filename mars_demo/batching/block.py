@@ -13,6 +13,13 @@ pass followed by a pass over the masks, with one forward pass fewer per block.
 Fast rows wait at the boundary (empty steps); a finished row leaves the batch
 (its cache row is dropped) and stays finished.
 
+At tau = 1.0 only candidate 1 can pass, so no pass feeds masks: the block-start pass
+feeds the filled block alone, and while every live row holds the same number of the
+block's tokens, an "extend" pass feeds each row's newest token and keeps it in the
+cache (the cache then holds the first ``cached`` tokens of the block; later passes
+re-feed only the rest). Rows that are not level (tau was lower earlier in the block)
+refill as usual until the block is full.
+
 Single-row semantics, which each row of a batch reproduces token for token: the
 sliding-window decoder of decoding.py with every pass's candidates capped at the
 end of the current block (batching.reference.reference_block_decode).
@@ -31,23 +38,32 @@ from .events import BatchEvent
 from .rows import PaddedCache, RowBook, Window, accept_rows, left_pad, limit_new_tokens
 
 
-def open_block(ext: list[list[int]], ext_attn: list[list[int]], first_pos: list[int], rooms: list[int], B: int, mask_id: int) -> Window:
-    """[filled block (or prompt) | B-1 masks]: candidates from its last token and the masks, up to B per row."""
+def open_block(ext: list[list[int]], ext_attn: list[list[int]], first_pos: list[int], rooms: list[int], masks: int, mask_id: int) -> Window:
+    """[filled block (or prompt) | masks]: candidates from its last token and the masks, up to masks + 1 per row."""
     return Window(
-        ids=[row + [mask_id] * (B - 1) for row in ext], attn=[row + [1] * (B - 1) for row in ext_attn],
-        first_pos=first_pos, keep=B, start=[0] * len(ext), cap=[min(B, room) for room in rooms],
+        ids=[row + [mask_id] * masks for row in ext], attn=[row + [1] * masks for row in ext_attn],
+        first_pos=first_pos, keep=masks + 1, start=[0] * len(ext), cap=[min(masks + 1, room) for room in rooms],
     )
 
 
-def refill_block(blocks: list[list[int]], first_pos: list[int], rooms: list[int], B: int, mask_id: int) -> Window:
-    """The block's first B-1 slots, accepted tokens then masks; a row's candidates start at its last accepted token.
+def refill_block(blocks: list[list[int]], cached: int, first_pos: list[int], rooms: list[int], B: int, mask_id: int) -> Window:
+    """The block's slots ``cached``..B-2, accepted tokens then masks; a row's candidates start at its last accepted token.
 
     A row that has filled the block re-feeds it and may accept nothing: it waits.
     """
+    slots = B - 1 - cached
     return Window(
-        ids=[(b + [mask_id] * B)[: B - 1] for b in blocks], attn=[[1] * (B - 1) for _ in blocks],
-        first_pos=first_pos, keep=B - 1, start=[len(b) - 1 for b in blocks],
+        ids=[(b[cached:] + [mask_id] * B)[:slots] for b in blocks], attn=[[1] * slots for _ in blocks],
+        first_pos=first_pos, keep=slots, start=[len(b) - 1 - cached for b in blocks],
         cap=[min(B - len(b), room) for b, room in zip(blocks, rooms)],
+    )
+
+
+def extend_block(blocks: list[list[int]], first_pos: list[int], rooms: list[int], B: int) -> Window:
+    """tau = 1.0, every row level: each row's newest token, which stays in the cache; candidate 1 only."""
+    return Window(
+        ids=[b[-1:] for b in blocks], attn=[[1] for _ in blocks], first_pos=first_pos, keep=1,
+        start=[0] * len(blocks), cap=[min(1, B - len(b), room) for b, room in zip(blocks, rooms)],
     )
 
 
@@ -76,17 +92,23 @@ def block_passes(
     kv = PaddedCache(model, R)
     active = list(range(R))  # rows still decoding, in cache order
     block: list[list[int]] = [[] for _ in range(R)]  # the block being filled, per row
+    cached = 0  # how many of the block's tokens the cache holds (extend passes, tau = 1.0)
     kind, index = "prefill", 0
     while True:
         tau_now = tau.get()
+        masks = 0 if tau_now >= 1.0 else B - 1  # at tau = 1.0 only candidate 1 can pass
         started = time.perf_counter()
         first_pos, rooms = [kv.length - offset[r] for r in active], [book.room(r) for r in active]
-        if kind == "refill":
-            window = refill_block([block[r] for r in active], first_pos, rooms, B, mask_id)
+        blocks = [block[r] for r in active]
+        if kind == "refill" and not masks and all(len(b) == cached + 1 for b in blocks):
+            kind, window = "extend", extend_block(blocks, first_pos, rooms, B)
+        elif kind == "refill":
+            window = refill_block(blocks, cached, first_pos, rooms, B, mask_id)
         else:
-            window = open_block(ext, ext_attn, first_pos, rooms, B, mask_id)
+            window = open_block(ext, ext_attn, first_pos, rooms, masks, mask_id)
         logits = kv.forward(window)  # (A, keep, vocab)
-        kv.crop(B - 1)  # the masks, or the re-fed slots: the prefix stays fixed while the block fills
+        kv.crop(window.keep if kind == "refill" else window.keep - 1)  # re-fed slots, or masks: the prefix stays fixed
+        cached += kind == "extend"  # an extend pass's token stays in the cache
         tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
         steps = book.commit_all(active, tokens, confs)
         for r in active:
@@ -101,5 +123,5 @@ def block_passes(
         index += 1
         kind = "block-start" if all(len(block[r]) == B for r in active) else "refill"
         if kind == "block-start":  # every live row has filled the block: the next pass extends the cache with it
-            ext, ext_attn = [block[r] for r in active], [[1] * B for _ in active]
-            block = [[] for _ in range(R)]
+            ext, ext_attn = [block[r][cached:] for r in active], [[1] * (B - cached) for _ in active]
+            block, cached = [[] for _ in range(R)], 0

@@ -56,7 +56,8 @@ class BatchEvent:
     """One batched forward pass.
 
     kind: "prefill", "block-start" (extends the cache with the filled block and
-      opens the next), "refill" (re-feeds the block being filled) or "window"
+      opens the next), "refill" (re-feeds the block being filled), "extend" (tau = 1.0:
+      adds each row's newest token of the block to the cache) or "window"
       (token-level: accepted tokens + masks).
     fed: columns fed per row in this pass (the cost of the pass grows with it).
     """
