@@ -23,6 +23,10 @@ Choices this trainer makes, all allowed by METHOD.md:
     of the shortened layout is the exact sub-matrix of the full one.
   * Logits are computed only at the positions that carry a target (the vocab is
     large): hidden states from the decoder, then the LM head on those rows.
+
+``objective="ar"`` trains the paper's AR-SFT baseline instead: the clean stream
+alone (plain next-token CE on the response), same data, same adapter, so that
+tau = 1.0 of a MARS adapter can be compared with fine-tuning without the masks.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
+OBJECTIVES = ("mars", "ar")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -64,6 +69,7 @@ class TrainConfig:
     ar_weight: float = 1.0
     save_every: int = 50
     seed: int = 0
+    objective: str = "mars"  # "mars", or "ar": the AR-SFT baseline (clean stream only)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "batch_size", "grad_accum", "max_response_tokens", "save_every"):
@@ -77,6 +83,8 @@ class TrainConfig:
             raise ValueError("epochs and learning rate must be positive")
         if self.ar_weight < 0:
             raise ValueError(f"AR weight must be >= 0, got {self.ar_weight}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if not 0.0 <= self.warmup < 1.0:
             raise ValueError(f"warm-up must be a fraction in [0, 1), got {self.warmup}")
 
@@ -193,9 +201,15 @@ class Batch:
         return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def collate(examples: list[Example], mask_id: int, pad_id: int, block_size: int, restrict: bool = True) -> Batch:
-    """Lay examples out as [noisy | clean] rows; ``restrict`` drops the loss-free noisy prefix."""
-    starts = [noisy_start(len(ex.prompt), block_size) if restrict else 0 for ex in examples]
+def collate(
+    examples: list[Example], mask_id: int, pad_id: int, block_size: int, restrict: bool = True, noisy: bool = True
+) -> Batch:
+    """Lay examples out as [noisy | clean] rows; ``restrict`` drops the loss-free noisy prefix,
+    ``noisy=False`` the whole noisy stream (the AR-SFT baseline)."""
+    if not noisy:
+        starts = [len(ex) for ex in examples]
+    else:
+        starts = [noisy_start(len(ex.prompt), block_size) if restrict else 0 for ex in examples]
     noisy_width = max(len(ex) - s for ex, s in zip(examples, starts))
     clean_width = max(len(ex) for ex in examples)
     ids, pos, is_noisy, valid = [], [], [], []
@@ -211,7 +225,7 @@ def collate(examples: list[Example], mask_id: int, pad_id: int, block_size: int,
         valid.append([True] * n_noisy + [False] * (noisy_width - n_noisy)
                      + [True] * len(tokens) + [False] * (clean_width - len(tokens)))
         for i in range(n_prompt, len(tokens)):  # response positions
-            if i % block_size:  # in-block index >= 1: the source i-1 is in the same block
+            if noisy and i % block_size:  # in-block index >= 1: the source i-1 is in the same block
                 for part, value in zip(targets["noisy"], (row, i - 1 - start, tokens[i])):
                     part.append(value)
             for part, value in zip(targets["clean"], (row, noisy_width + i - 1, tokens[i])):
@@ -559,7 +573,8 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             sums = torch.zeros(3, device=device)
             for _ in range(config.grad_accum):
-                batch = collate([examples[i] for i in next(stream)], lm.meta.mask_token_id, pad_id, config.block_size)
+                batch = collate([examples[i] for i in next(stream)], lm.meta.mask_token_id, pad_id, config.block_size,
+                                noisy=config.objective == "mars")
                 with autocast:
                     loss, noisy_loss, ar_loss = mars_loss(model, batch.to(device), config.ar_weight)
                 (loss / config.grad_accum).backward()
@@ -595,9 +610,10 @@ def train(
             "mask_token_id": lm.meta.mask_token_id, "trainable_parameters": n_params,
             "final_loss": _tail_mean(history, "loss"), "final_noisy_loss": _tail_mean(history, "noisy_loss"),
             "final_ar_loss": _tail_mean(history, "ar_loss"),
+        } | ({
             "noisy_stream": "restricted to the blocks holding response tokens",
             "noisy_block_starts": "left out of the loss ((B+1)-ahead targets decoding never reads)",
-        }
+        } if config.objective == "mars" else {"noisy_stream": "none: the AR-SFT baseline"})
         (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return TrainResult(model=model, history=history, steps=step, total_steps=steps, seconds=seconds)
 

@@ -18,7 +18,7 @@ from mars_demo.decoding import collect, stream
 from mars_demo.loading import load_model
 from mars_demo.training import (
     Example, TrainConfig, causal_lm, collate, epoch_batches, hidden_states, load_examples, mars_attention_mask,
-    micro_batches, model_mask, noisy_start, train,
+    mars_loss, micro_batches, model_mask, noisy_start, train,
 )
 
 from conftest import CORPUS, PROMPTS, make_lm, make_tokenizer
@@ -144,6 +144,28 @@ def test_streams_match_what_decoding_sees(tiny_lm, block):
                 seen = torch.tensor([x[:first] + noisy[first : i + 1]])
                 expected = model(input_ids=seen).logits[0, -1]
                 torch.testing.assert_close(logits[row, i - start], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_ar_objective_is_plain_next_token_loss_on_the_response(tiny_lm):
+    """The AR-SFT baseline: no noisy stream, and its loss is HF's causal LM loss on the response tokens."""
+    model, mask_id = tiny_lm.model, tiny_lm.meta.mask_token_id
+    exs = [example(6, 9), example(3, 4, offset=40)]
+    batch = collate(exs, mask_id, pad_id=0, block_size=4, noisy=False)
+    assert batch.noisy_targets.numel() == 0 and mask_id not in batch.input_ids.tolist()[0]
+    assert batch.input_ids.shape[1] == max(len(ex) for ex in exs)
+    with torch.no_grad():
+        loss, noisy_loss, ar_loss = mars_loss(model, batch, ar_weight=1.5)
+        nll, count = 0.0, 0
+        for ex in exs:
+            x = torch.tensor([ex.prompt + ex.response])
+            labels = x.clone()
+            labels[0, : len(ex.prompt)] = -100  # the prompt carries no loss
+            n = len(ex.response)
+            nll += model(input_ids=x, labels=labels).loss.item() * n
+            count += n
+    assert noisy_loss.item() == 0.0
+    assert ar_loss.item() == pytest.approx(nll / count, rel=1e-4)
+    assert loss.item() == pytest.approx(1.5 * nll / count, rel=1e-4)
 
 
 # ----------------------------------------------------------------------------- data order
@@ -363,6 +385,12 @@ def test_train_command(tmp_path, base_dir, capsys):
     assert cli.main(argv[:4] + [str(mixed)] + argv[5:6] + [str(tmp_path / "all"), "--max-repeat", "1"] + argv[7:]) == 0
     assert json.loads((tmp_path / "all" / "training.json").read_text())["examples"] == 6
     assert cli.main(argv[:6] + [str(tmp_path / "bad"), "--max-repeat", "1.5"] + argv[7:]) == 2
+
+    baseline = tmp_path / "ar-sft"
+    assert cli.main(argv[:6] + [str(baseline), "--objective", "ar"] + argv[7:]) == 0
+    summary = json.loads((baseline / "training.json").read_text())
+    assert summary["objective"] == "ar" and summary["noisy_stream"].startswith("none")
+    assert summary["final_noisy_loss"] == 0.0
 
 
 def test_distill_command_appends_and_resumes(tmp_path, base_dir, capsys):

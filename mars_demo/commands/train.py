@@ -10,7 +10,7 @@ from ..cli import UserError
 from ..data import read_jsonl
 from ..evaluation import NGRAM, repetition
 from ..loading import BUNDLED_BASE, load_model
-from ..training import TrainConfig, load_examples, train
+from ..training import OBJECTIVES, TrainConfig, load_examples, train
 
 HELP = "fine-tune a base model for MARS (LoRA by default) on a distilled JSONL file"
 DEFAULTS = TrainConfig()
@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ar-weight", type=float, default=DEFAULTS.ar_weight,
         help="weight of the clean stream's AR loss (METHOD.md: 1.0); more keeps tau = 1.0 closer to the base",
     )
+    parser.add_argument(
+        "--objective", choices=OBJECTIVES, default=DEFAULTS.objective,
+        help="mars (default), or ar: the paper's AR-SFT baseline on the same data (clean stream only)",
+    )
     parser.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size)
     parser.add_argument("--grad-accum", type=int, default=DEFAULTS.grad_accum, help="micro-batches per optimizer step")
     parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, lora_rank=None if args.full else args.lora_rank, lora_alpha=args.lora_alpha,
         epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
         max_steps=args.max_steps, max_response_tokens=args.max_response_tokens, save_every=args.save_every,
-        ar_weight=args.ar_weight, seed=args.seed,
+        ar_weight=args.ar_weight, seed=args.seed, objective=args.objective,
     )  # validates before anything loads
     if args.skip_rows < 0:
         raise UserError(f"--skip-rows must be >= 0, got {args.skip_rows}")
