@@ -85,6 +85,8 @@ class TrainConfig:
             raise ValueError(f"AR weight must be >= 0, got {self.ar_weight}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective == "ar" and self.ar_weight == 0:
+            raise ValueError("the AR-SFT objective trains the AR loss alone: it needs an AR weight above 0")
         if not 0.0 <= self.warmup < 1.0:
             raise ValueError(f"warm-up must be a fraction in [0, 1), got {self.warmup}")
 

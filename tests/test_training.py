@@ -391,6 +391,8 @@ def test_train_command(tmp_path, base_dir, capsys):
     summary = json.loads((baseline / "training.json").read_text())
     assert summary["objective"] == "ar" and summary["noisy_stream"].startswith("none")
     assert summary["final_noisy_loss"] == 0.0
+    assert cli.main(argv[:6] + [str(tmp_path / "nothing"), "--objective", "ar", "--ar-weight", "0"] + argv[7:]) == 2
+    assert "AR weight above 0" in capsys.readouterr().err
 
 
 def test_distill_command_appends_and_resumes(tmp_path, base_dir, capsys):
