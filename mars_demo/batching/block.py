@@ -43,6 +43,7 @@ def open_block(ext: list[list[int]], ext_attn: list[list[int]], first_pos: list[
     return Window(
         ids=[row + [mask_id] * masks for row in ext], attn=[row + [1] * masks for row in ext_attn],
         first_pos=first_pos, keep=masks + 1, start=[0] * len(ext), cap=[min(masks + 1, room) for room in rooms],
+        drop=masks,
     )
 
 
@@ -55,15 +56,15 @@ def refill_block(blocks: list[list[int]], cached: int, first_pos: list[int], roo
     return Window(
         ids=[(b[cached:] + [mask_id] * B)[:slots] for b in blocks], attn=[[1] * slots for _ in blocks],
         first_pos=first_pos, keep=slots, start=[len(b) - 1 - cached for b in blocks],
-        cap=[min(B - len(b), room) for b, room in zip(blocks, rooms)],
+        cap=[min(B - len(b), room) for b, room in zip(blocks, rooms)], drop=slots,
     )
 
 
-def extend_block(blocks: list[list[int]], first_pos: list[int], rooms: list[int], B: int) -> Window:
+def extend_block(blocks: list[list[int]], first_pos: list[int], rooms: list[int]) -> Window:
     """tau = 1.0, every row level: each row's newest token, which stays in the cache; candidate 1 only."""
     return Window(
         ids=[b[-1:] for b in blocks], attn=[[1] for _ in blocks], first_pos=first_pos, keep=1,
-        start=[0] * len(blocks), cap=[min(1, B - len(b), room) for b, room in zip(blocks, rooms)],
+        start=[0] * len(blocks), cap=[min(1, room) for room in rooms], drop=0,
     )
 
 
@@ -101,13 +102,13 @@ def block_passes(
         first_pos, rooms = [kv.length - offset[r] for r in active], [book.room(r) for r in active]
         blocks = [block[r] for r in active]
         if kind == "refill" and not masks and all(len(b) == cached + 1 for b in blocks):
-            kind, window = "extend", extend_block(blocks, first_pos, rooms, B)
+            kind, window = "extend", extend_block(blocks, first_pos, rooms)
         elif kind == "refill":
             window = refill_block(blocks, cached, first_pos, rooms, B, mask_id)
         else:
             window = open_block(ext, ext_attn, first_pos, rooms, masks, mask_id)
         logits = kv.forward(window)  # (A, keep, vocab)
-        kv.crop(window.keep if kind == "refill" else window.keep - 1)  # re-fed slots, or masks: the prefix stays fixed
+        kv.crop(window.drop)  # masks or re-fed slots: the prefix stays fixed while the block fills
         cached += kind == "extend"  # an extend pass's token stays in the cache
         tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
         steps = book.commit_all(active, tokens, confs)

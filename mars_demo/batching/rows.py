@@ -29,6 +29,7 @@ class Window:
     first_pos: position id of each row's first fed column (holes may get any position).
     keep: logits are read from the last ``keep`` columns; row r's candidate 1 is
       read at column start[r] of those, and it may accept at most cap[r] tokens.
+    drop: columns cropped off the cache after the pass (masks, re-fed slots).
     """
 
     ids: list[list[int]]
@@ -37,6 +38,7 @@ class Window:
     keep: int
     start: list[int]
     cap: list[int]
+    drop: int
 
     @property
     def width(self) -> int:

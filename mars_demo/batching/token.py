@@ -33,7 +33,7 @@ def slide(pending: list[list[int]], next_pos: list[int], rooms: list[int], B: in
     return Window(
         ids=[row + [mask_id] * (B - 1) for row in real], attn=[row + [1] * (B - 1) for row in real_attn],
         first_pos=[pos - (n - len(p)) for pos, p in zip(next_pos, pending)],
-        keep=B, start=[0] * len(pending), cap=[min(B, room) for room in rooms],
+        keep=B, start=[0] * len(pending), cap=[min(B, room) for room in rooms], drop=B - 1,
     )
 
 
@@ -68,7 +68,7 @@ def token_passes(
         started = time.perf_counter()
         window = slide([pending[r] for r in active], [next_pos[r] for r in active], [book.room(r) for r in active], width, mask_id, pad_id)
         logits = kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
-        kv.crop(width - 1)  # the masks; the accepted tokens are fed next pass
+        kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
         tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
         steps = book.commit_all(active, tokens, confs)
         for r in active:
