@@ -195,9 +195,11 @@ class Batch:
     noisy_rows: torch.Tensor  # (n_noisy,)
     noisy_sources: torch.Tensor  # (n_noisy,)
     noisy_targets: torch.Tensor  # (n_noisy,)
+    noisy_positions: torch.Tensor  # (n_noisy,) the position i each target sits at
     clean_rows: torch.Tensor  # (n_clean,)
     clean_sources: torch.Tensor  # (n_clean,)
     clean_targets: torch.Tensor  # (n_clean,)
+    clean_positions: torch.Tensor  # (n_clean,)
 
     def to(self, device: torch.device) -> Batch:
         return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -215,12 +217,12 @@ def collate(
     noisy_width = max(len(ex) - s for ex, s in zip(examples, starts))
     clean_width = max(len(ex) for ex in examples)
     ids, pos, is_noisy, valid = [], [], [], []
-    targets: dict[str, list[list[int]]] = {"noisy": [[], [], []], "clean": [[], [], []]}
+    targets: dict[str, list[list[int]]] = {"noisy": [[], [], [], []], "clean": [[], [], [], []]}
     for row, (ex, start) in enumerate(zip(examples, starts)):
         tokens, n_prompt = list(ex.prompt + ex.response), len(ex.prompt)
-        noisy = [t if i < n_prompt else mask_id for i, t in enumerate(tokens)][start:]
-        n_noisy = len(noisy)
-        ids.append(noisy + [pad_id] * (noisy_width - n_noisy) + tokens + [pad_id] * (clean_width - len(tokens)))
+        noisy_ids = [t if i < n_prompt else mask_id for i, t in enumerate(tokens)][start:]
+        n_noisy = len(noisy_ids)
+        ids.append(noisy_ids + [pad_id] * (noisy_width - n_noisy) + tokens + [pad_id] * (clean_width - len(tokens)))
         pos.append(list(range(start, len(tokens))) + [0] * (noisy_width - n_noisy)
                    + list(range(len(tokens))) + [0] * (clean_width - len(tokens)))
         is_noisy.append([True] * noisy_width + [False] * clean_width)
@@ -228,9 +230,9 @@ def collate(
                      + [True] * len(tokens) + [False] * (clean_width - len(tokens)))
         for i in range(n_prompt, len(tokens)):  # response positions
             if noisy and i % block_size:  # in-block index >= 1: the source i-1 is in the same block
-                for part, value in zip(targets["noisy"], (row, i - 1 - start, tokens[i])):
+                for part, value in zip(targets["noisy"], (row, i - 1 - start, tokens[i], i)):
                     part.append(value)
-            for part, value in zip(targets["clean"], (row, noisy_width + i - 1, tokens[i])):
+            for part, value in zip(targets["clean"], (row, noisy_width + i - 1, tokens[i], i)):
                 part.append(value)
     positions = torch.tensor(pos)
     attention = mars_attention_mask(positions, torch.tensor(is_noisy), torch.tensor(valid), block_size)
@@ -238,8 +240,9 @@ def collate(
     return Batch(
         input_ids=torch.tensor(ids), position_ids=positions, attention=attention[:, None],
         noisy_rows=as_long(targets["noisy"][0]), noisy_sources=as_long(targets["noisy"][1]),
-        noisy_targets=as_long(targets["noisy"][2]), clean_rows=as_long(targets["clean"][0]),
-        clean_sources=as_long(targets["clean"][1]), clean_targets=as_long(targets["clean"][2]),
+        noisy_targets=as_long(targets["noisy"][2]), noisy_positions=as_long(targets["noisy"][3]),
+        clean_rows=as_long(targets["clean"][0]), clean_sources=as_long(targets["clean"][1]),
+        clean_targets=as_long(targets["clean"][2]), clean_positions=as_long(targets["clean"][3]),
     )
 
 
@@ -278,20 +281,113 @@ def hidden_states(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return out.last_hidden_state
 
 
-def mars_loss(model: torch.nn.Module, batch: Batch, ar_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, noisy_loss, ar_loss), token means; logits only where a target is."""
+def target_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets) at the loss targets, noisy ones first: logits (n_noisy + n_clean, vocab), fp32."""
     hidden = hidden_states(model, batch)  # (batch, T, hidden)
     selected = torch.cat([
         hidden[batch.noisy_rows, batch.noisy_sources],  # (n_noisy, hidden)
         hidden[batch.clean_rows, batch.clean_sources],  # (n_clean, hidden)
     ])
-    logits = causal_lm(model).get_output_embeddings()(selected).float()  # (n_noisy + n_clean, vocab)
-    targets = torch.cat([batch.noisy_targets, batch.clean_targets])
+    logits = causal_lm(model).get_output_embeddings()(selected).float()
+    return logits, torch.cat([batch.noisy_targets, batch.clean_targets])
+
+
+def mars_loss(model: torch.nn.Module, batch: Batch, ar_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, noisy_loss, ar_loss), token means; logits only where a target is."""
+    logits, targets = target_logits(model, batch)
     losses = F.cross_entropy(logits, targets, reduction="none")
     n_noisy = batch.noisy_targets.numel()
     noisy_loss = losses[:n_noisy].sum() / max(n_noisy, 1)
     ar_loss = losses[n_noisy:].sum() / max(batch.clean_targets.numel(), 1)
     return noisy_loss + ar_weight * ar_loss, noisy_loss, ar_loss
+
+
+# --------------------------------------------------------------------------- validation
+
+VAL_TAU = 0.9  # the threshold the validation's acceptance estimate uses (the issue's target tau)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Teacher-forced measures on held-out rows: a one-forward-per-batch preview of ``eval``.
+
+    Every full block (all B positions in the response) stands for one decoding pass
+    that starts at its first position p: candidate 1 is the clean stream's guess for
+    p (the AR token), candidate j the noisy stream's guess for p + j - 1. The pass
+    accepts as decoding does (``accept_count`` at ``tau``, probability metric), but
+    on the row's own tokens rather than the model's, so a wrong accepted guess does
+    not derail what follows. On rows distilled from the base, ``ar_agreement`` is
+    the share of tokens where the trained model's greedy choice is still the base's.
+    """
+
+    step: int
+    noisy_loss: float | None  # None: no noisy targets (responses of one token)
+    ar_loss: float
+    ar_agreement: float  # clean argmax == the row's token, share of response tokens
+    tokens_per_pass: float | None  # mean accepted per full block at tau (None: no full block)
+    extra_match: float | None  # share of the extra accepted tokens equal to the row's token (None: none accepted)
+    tau: float
+
+
+@torch.no_grad()
+def validate(
+    model: torch.nn.Module, examples: list[Example], mask_id: int, pad_id: int, block_size: int,
+    *, taus: tuple[float, ...] = (VAL_TAU,), batch_size: int = 8, step: int = 0,
+) -> list[Validation]:
+    """Losses, argmax agreement and, per tau, an acceptance estimate on ``examples`` (see ``Validation``)."""
+    from .acceptance import accept_count
+
+    if not examples:
+        raise ValueError("no validation examples")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    totals = dict.fromkeys(("noisy", "clean", "n_noisy", "n_clean", "agree", "passes"), 0.0)
+    per_tau = {tau: dict.fromkeys(("accepted", "extra", "matched"), 0.0) for tau in taus}
+    try:
+        for start in range(0, len(examples), batch_size):
+            batch = collate(examples[start : start + batch_size], mask_id, pad_id, block_size)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits, targets = target_logits(model, batch.to(device))
+            losses = F.cross_entropy(logits, targets, reduction="none").cpu()
+            conf, guess = torch.softmax(logits, dim=-1).max(dim=-1)
+            conf, right = conf.cpu(), (guess == targets).cpu()
+            n_noisy = batch.noisy_targets.numel()
+            totals["noisy"] += losses[:n_noisy].sum().item()
+            totals["clean"] += losses[n_noisy:].sum().item()
+            totals["n_noisy"] += n_noisy
+            totals["n_clean"] += losses.numel() - n_noisy
+            totals["agree"] += right[n_noisy:].sum().item()
+            # candidates by (row, block): offset 0 from the clean stream, 1..B-1 from the noisy one
+            rows = torch.cat([batch.noisy_rows, batch.clean_rows]).tolist()
+            positions = torch.cat([batch.noisy_positions, batch.clean_positions]).tolist()
+            blocks: dict[tuple[int, int], dict[int, int]] = {}
+            for k, (row, pos) in enumerate(zip(rows, positions)):
+                if k < n_noisy or pos % block_size == 0:
+                    blocks.setdefault((row, pos // block_size), {})[pos % block_size] = k
+            full = [[cands[j] for j in range(block_size)] for cands in blocks.values() if len(cands) == block_size]
+            if not full:
+                continue
+            index = torch.tensor(full)  # (passes, B): where each candidate's conf / right sits
+            totals["passes"] += len(full)
+            for tau, sums in per_tau.items():
+                counts = accept_count(conf[index], tau)
+                extra = torch.arange(block_size) < counts[:, None]
+                extra[:, 0] = False
+                sums["accepted"] += counts.sum().item()
+                sums["extra"] += extra.sum().item()
+                sums["matched"] += (right[index] & extra).sum().item()
+    finally:
+        model.train(was_training)
+    ratio = lambda num, den: round(num / den, 4) if den else None  # noqa: E731
+    return [
+        Validation(
+            step=step, noisy_loss=ratio(totals["noisy"], totals["n_noisy"]), ar_loss=ratio(totals["clean"], totals["n_clean"]),
+            ar_agreement=ratio(totals["agree"], totals["n_clean"]), tokens_per_pass=ratio(sums["accepted"], totals["passes"]),
+            extra_match=ratio(sums["matched"], sums["extra"]), tau=tau,
+        )
+        for tau, sums in per_tau.items()
+    ]
 
 
 # --------------------------------------------------------------------------- model
@@ -365,6 +461,7 @@ class StepLog:
 
 CHECKPOINT = "checkpoint"
 LOSS_LOG = "loss.jsonl"
+VAL_LOG = "val.jsonl"
 SMOOTHING = 25  # steps in the loss curve's running mean
 
 
@@ -445,7 +542,8 @@ def save_model(model, lm, out_dir: Path, base_spec: str, block_size: int) -> Non
     MarsMeta(block_size=block_size, mask_token_id=lm.meta.mask_token_id, mask_token=lm.meta.mask_token).save(out_dir)
 
 
-def plot_losses(history: list[StepLog], path: Path) -> None:
+def plot_losses(history: list[StepLog], path: Path, validation: list[Validation] = ()) -> None:
+    """Training losses (raw and running mean) and, as markers, the held-out ones."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -459,6 +557,9 @@ def plot_losses(history: list[StepLog], path: Path) -> None:
         line, = ax.plot(steps, values, linewidth=0.6, alpha=0.35)
         means = [sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))]
         ax.plot(steps, means, color=line.get_color(), linewidth=1.6, label=f"{label}, mean of {window} steps")
+        held_out = [(v.step, getattr(v, name)) for v in validation if getattr(v, name, None) is not None]
+        if held_out:
+            ax.plot(*zip(*held_out), "o--", color=line.get_color(), markersize=4, linewidth=0.8, label=f"{label}, held out")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("MARS fine-tuning")
@@ -469,14 +570,15 @@ def plot_losses(history: list[StepLog], path: Path) -> None:
     plt.close(fig)
 
 
-def read_history(path: Path, up_to: int) -> list[StepLog]:
+def read_history(path: Path, up_to: int, kind: type = StepLog) -> list:
+    """The rows of a JSONL log (``StepLog`` or ``Validation``) up to a step."""
     if not path.is_file():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [StepLog(**row) for row in rows if row["step"] <= up_to]
+    return [kind(**row) for row in rows if row["step"] <= up_to]
 
 
-def _write_history(path: Path, history: list[StepLog]) -> None:
+def _write_history(path: Path, history: list) -> None:
     path.write_text("".join(json.dumps(asdict(h)) + "\n" for h in history))
 
 
@@ -484,6 +586,7 @@ def _write_history(path: Path, history: list[StepLog]) -> None:
 class TrainResult:
     model: torch.nn.Module  # the PEFT-wrapped (or fully trained) model, in train mode
     history: list[StepLog]
+    validation: list[Validation]
     steps: int
     total_steps: int
     seconds: float
@@ -499,6 +602,9 @@ def train(
     data_path: str = "",
     init_adapter: str | Path | None = None,
     resume: bool = False,
+    val_examples: list[Example] | None = None,
+    val_every: int = 100,
+    val_data: str = "",
     stop_after: int | None = None,
     progress: bool = True,
 ) -> TrainResult:
@@ -506,7 +612,10 @@ def train(
 
     ``resume`` continues from ``out_dir/checkpoint`` exactly (weights, optimizer,
     schedule, data order, RNG); the checkpoint's hyper-parameters win.
-    ``stop_after`` ends the run early at that step as if interrupted (tests).
+    ``val_examples`` (held-out rows) are measured by ``validate`` before the first
+    step, every ``val_every`` steps and at the end, into ``val.jsonl``, the loss
+    curve and training.json. ``stop_after`` ends the run early at that step as if
+    interrupted (tests).
     """
     from tqdm.auto import tqdm
 
@@ -549,6 +658,9 @@ def train(
         step, seconds = saved["step"], saved["seconds"]
     history = read_history(out_dir / LOSS_LOG, step)
     _write_history(out_dir / LOSS_LOG, history)  # drops steps logged after the checkpoint
+    val_history = read_history(out_dir / VAL_LOG, step, Validation)
+    if (out_dir / VAL_LOG).is_file():
+        _write_history(out_dir / VAL_LOG, val_history)
     n_params = sum(p.numel() for p in params)
     logger.info("training %d of %d parameters for %d steps on %d examples", n_params,
                 sum(p.numel() for p in model.parameters()), steps, len(examples))
@@ -566,8 +678,19 @@ def train(
         save_checkpoint(ckpt_dir, model, optimizer, scheduler, payload())
         save_model(model, lm, out_dir, base_spec, config.block_size)
         if history:
-            plot_losses(history, out_dir / "loss.png")
+            plot_losses(history, out_dir / "loss.png", val_history)
 
+    def measure() -> None:
+        if not val_examples or any(v.step == step for v in val_history):
+            return
+        result, = validate(model, val_examples, lm.meta.mask_token_id, pad_id, config.block_size, step=step)
+        val_history.append(result)
+        with open(out_dir / VAL_LOG, "a") as sink:
+            sink.write(json.dumps(asdict(result)) + "\n")
+        logger.info("validation at step %d: %s", step, asdict(result))
+
+    if step == 0:
+        measure()  # the starting point
     bar = tqdm(total=steps, initial=step, desc="train", disable=not progress, dynamic_ncols=True)
     try:
         while step < steps and (stop_after is None or step < stop_after):
@@ -594,6 +717,8 @@ def train(
                 sink.write(json.dumps(asdict(log)) + "\n")
             bar.update(1)
             bar.set_postfix(loss=f"{total:.3f}", noisy=f"{noisy:.3f}", ar=f"{ar:.3f}", lr=f"{lr:.2e}")
+            if step % val_every == 0 or step == steps:
+                measure()
             if step % config.save_every == 0 or step == steps:
                 checkpoint()
     except KeyboardInterrupt:
@@ -615,9 +740,11 @@ def train(
         } | ({
             "noisy_stream": "restricted to the blocks holding response tokens",
             "noisy_block_starts": "left out of the loss ((B+1)-ahead targets decoding never reads)",
-        } if config.objective == "mars" else {"noisy_stream": "none: the AR-SFT baseline"})
+        } if config.objective == "mars" else {"noisy_stream": "none: the AR-SFT baseline"}) | ({
+            "val_data": val_data, "val_examples": len(val_examples), "validation": asdict(val_history[-1]),
+        } if val_history and val_examples else {})
         (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return TrainResult(model=model, history=history, steps=step, total_steps=steps, seconds=seconds)
+    return TrainResult(model=model, history=history, validation=val_history, steps=step, total_steps=steps, seconds=seconds)
 
 
 def _tail_mean(history: list[StepLog], name: str, count: int = 10) -> float | None:

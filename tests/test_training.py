@@ -18,7 +18,7 @@ from mars_demo.decoding import collect, stream
 from mars_demo.loading import load_model
 from mars_demo.training import (
     Example, TrainConfig, causal_lm, collate, epoch_batches, hidden_states, load_examples, mars_attention_mask,
-    mars_loss, micro_batches, model_mask, noisy_start, train,
+    mars_loss, micro_batches, model_mask, noisy_start, train, validate,
 )
 
 from conftest import CORPUS, PROMPTS, make_lm, make_tokenizer
@@ -166,6 +166,64 @@ def test_ar_objective_is_plain_next_token_loss_on_the_response(tiny_lm):
     assert noisy_loss.item() == 0.0
     assert ar_loss.item() == pytest.approx(nll / count, rel=1e-4)
     assert loss.item() == pytest.approx(1.5 * nll / count, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def decoding_passes(model, exs: list[Example], mask_id: int, block: int) -> tuple[list[list[float]], list[list[bool]]]:
+    """Per full block at p: the pass decoding would run there (x[:p] + B-1 masks), its B candidates'
+    confidences and whether each candidate is the row's token."""
+    confs, rights = [], []
+    for ex in exs:
+        x, n_prompt = list(ex.prompt + ex.response), len(ex.prompt)
+        for p in range(0, len(x) - block + 1, block):
+            if p < n_prompt:
+                continue
+            logits = logits_of(model, x[:p] + [mask_id] * (block - 1))[p - 1 :]  # (B, vocab)
+            conf, guess = torch.softmax(logits, dim=-1).max(dim=-1)
+            confs.append(conf.tolist())
+            rights.append([g == t for g, t in zip(guess.tolist(), x[p : p + block])])
+    return confs, rights
+
+
+@pytest.mark.parametrize("block", [2, 4])
+def test_validation_is_what_decoding_would_accept(tiny_lm, block):
+    """Each full block is one decoding pass: acceptance, matches, losses and argmax agreement by brute force."""
+    model, mask_id = tiny_lm.model, tiny_lm.meta.mask_token_id
+    exs = [example(6, 14), example(3, 9, offset=40), example(5, 2, offset=70)]  # the last has no full block
+    confs, rights = decoding_passes(model, exs, mask_id, block)
+    masks = sorted(c for row in confs for c in row[1:])
+    gaps = [(masks[k + 1] - masks[k], k) for k in range(len(masks) // 4, 3 * len(masks) // 4)]
+    gap, k = max(gaps)
+    assert gap > 1e-3
+    tau = (masks[k] + masks[k + 1]) / 2  # half the masks pass, none near the threshold
+    counts, matched = [], 0
+    for conf, right in zip(confs, rights):
+        n = 1
+        while n < block and conf[n] >= tau:
+            n += 1
+        counts.append(n)
+        matched += sum(right[1:n])
+    extra = sum(counts) - len(counts)
+    assert 0 < extra < len(counts) * (block - 1)  # the case is not trivial
+
+    result, plain = validate(model, exs, mask_id, pad_id=0, block_size=block, taus=(tau, 1.0), batch_size=2, step=7)
+    assert result.step == 7 and result.tau == tau
+    assert result.tokens_per_pass == pytest.approx(sum(counts) / len(counts), abs=1e-4)
+    assert result.extra_match == pytest.approx(matched / extra, abs=1e-4)
+    with torch.no_grad():
+        _, noisy_loss, ar_loss = mars_loss(model, collate(exs, mask_id, 0, block))
+    assert (result.noisy_loss, result.ar_loss) == pytest.approx((noisy_loss.item(), ar_loss.item()), abs=1e-4)
+    agree = [
+        (logits_of(model, list(ex.prompt + ex.response))[len(ex.prompt) - 1 : -1].argmax(-1) == torch.tensor(ex.response)).tolist()
+        for ex in exs
+    ]
+    assert result.ar_agreement == pytest.approx(sum(map(sum, agree)) / sum(map(len, agree)), abs=1e-4)
+    one_by_one, = validate(model, exs, mask_id, 0, block, taus=(tau,), batch_size=1)  # padding changes nothing
+    assert vars(one_by_one) == pytest.approx(vars(result) | {"step": 0}, abs=2e-4)
+    assert plain.tokens_per_pass == 1.0 and plain.extra_match is None  # tau = 1.0: one token per pass
+    assert (plain.ar_loss, plain.ar_agreement) == (result.ar_loss, result.ar_agreement)
 
 
 # ----------------------------------------------------------------------------- data order
@@ -320,6 +378,43 @@ def test_resume_continues_exactly(tmp_path):
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
 
 
+def held_out_rows(tokenizer, count: int = 3) -> list[dict]:
+    rows = []
+    for i in range(count):
+        prompt = f"A held-out question, number {i}?"
+        response = tokenizer(CORPUS[(i + 1) % len(CORPUS)][: 30 + 5 * i])["input_ids"] + [tokenizer.eos_token_id]
+        rows.append({"prompt": prompt, "prompt_ids": prompt_ids(tokenizer, prompt), "response_ids": response})
+    return rows
+
+
+def test_validation_during_training_logs_and_resumes(tmp_path):
+    """Validation before the first step, every val_every steps and at the end; a resume keeps the log whole."""
+    tokenizer = make_tokenizer("<|mask|>")
+    examples, held_out = load_examples(tiny_rows(tokenizer, 6), 128), load_examples(held_out_rows(tokenizer), 128)
+    config = TrainConfig(max_steps=5, **(FAST | {"save_every": 2}))
+    kwargs = dict(base_spec="tiny", progress=False, val_examples=held_out, val_every=2, val_data="held.jsonl")
+    straight = train(make_lm("qwen2"), examples, config, tmp_path / "a", **kwargs)
+    assert [v.step for v in straight.validation] == [0, 2, 4, 5]
+    first, last = straight.validation[0], straight.validation[-1]
+    assert last.ar_loss < first.ar_loss and last.noisy_loss < first.noisy_loss  # it learns what generalises here
+    logged = [json.loads(line) for line in (tmp_path / "a" / "val.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged] == [0, 2, 4, 5] and logged[-1]["ar_loss"] == last.ar_loss
+    summary = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert summary["validation"]["step"] == 5 and summary["val_examples"] == 3 and summary["val_data"] == "held.jsonl"
+
+    out = tmp_path / "b"
+    train(make_lm("qwen2"), examples, config, out, stop_after=3, **kwargs)  # checkpoint at step 2
+    resumed = train(make_lm("qwen2"), examples, config, out, resume=True, **kwargs)
+    assert [v.step for v in resumed.validation] == [0, 2, 4, 5]
+    assert [json.loads(line)["step"] for line in (out / "val.jsonl").read_text().splitlines()] == [0, 2, 4, 5]
+    for a, b in zip(straight.validation, resumed.validation):
+        assert (a.noisy_loss, a.ar_loss, a.ar_agreement) == pytest.approx((b.noisy_loss, b.ar_loss, b.ar_agreement), abs=1e-3)
+
+    quiet = train(make_lm("qwen2"), examples, config, tmp_path / "c", base_spec="tiny", progress=False)
+    assert quiet.validation == [] and not (tmp_path / "c" / "val.jsonl").exists()
+    assert "validation" not in json.loads((tmp_path / "c" / "training.json").read_text())
+
+
 def test_init_adapter_starts_from_its_weights(tmp_path, base_dir):
     lm = load_model(base_dir, block_size=4)
     examples = load_examples(tiny_rows(lm.tokenizer), 128)
@@ -385,6 +480,27 @@ def test_train_command(tmp_path, base_dir, capsys):
     assert cli.main(argv[:4] + [str(mixed)] + argv[5:6] + [str(tmp_path / "all"), "--max-repeat", "1"] + argv[7:]) == 0
     assert json.loads((tmp_path / "all" / "training.json").read_text())["examples"] == 6
     assert cli.main(argv[:6] + [str(tmp_path / "bad"), "--max-repeat", "1.5"] + argv[7:]) == 2
+
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(row) + "\n" for row in held_out_rows(tokenizer)))
+    validated = tmp_path / "validated"
+    assert cli.main(argv[:6] + [str(validated), "--val-data", str(held), "--val-every", "1", "--val-rows", "2"] + argv[7:]) == 0
+    assert "held out (step 2)" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (validated / "val.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert json.loads((validated / "training.json").read_text())["val_examples"] == 2
+    logged = json.loads((validated / "training.json").read_text())["validation"]
+    assert cli.main(["validate", "--model", str(validated), "--data", str(held), "--rows", "2", "--taus", "0.9,1", "--json"]) == 0
+    at_09, at_1 = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert at_1["tokens_per_pass"] == 1.0 and at_09["tau"] == 0.9 and at_09["rows"] == 2
+    for key in ("noisy_loss", "ar_loss", "tokens_per_pass"):  # the saved (fp16) adapter measures what training logged
+        assert at_09[key] == pytest.approx(logged[key], abs=0.02)
+    assert cli.main(["validate", "--model", str(validated), "--data", str(held)]) == 0
+    assert "tok/pass" in capsys.readouterr().out
+    assert cli.main(["validate", "--model", str(validated), "--data", str(held), "--taus", "1.5"]) == 2
+    assert cli.main(["validate", "--model", str(validated), "--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert cli.main(argv[:6] + [str(tmp_path / "leak"), "--val-data", str(data)] + argv[7:]) == 2
+    assert "held-out prompts" in capsys.readouterr().err
+    assert cli.main(argv[:6] + [str(tmp_path / "nowhere"), "--val-data", str(tmp_path / "missing.jsonl")] + argv[7:]) == 2
 
     baseline = tmp_path / "ar-sft"
     assert cli.main(argv[:6] + [str(baseline), "--objective", "ar"] + argv[7:]) == 0

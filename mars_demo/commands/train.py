@@ -10,7 +10,7 @@ from ..cli import UserError
 from ..data import read_jsonl
 from ..evaluation import NGRAM, repetition
 from ..loading import BUNDLED_BASE, load_model
-from ..training import OBJECTIVES, TrainConfig, load_examples, train
+from ..training import OBJECTIVES, Example, TrainConfig, load_examples, train
 
 HELP = "fine-tune a base model for MARS (LoRA by default) on a distilled JSONL file"
 DEFAULTS = TrainConfig()
@@ -54,8 +54,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-every", type=int, default=DEFAULTS.save_every, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     parser.add_argument("--init-adapter", type=Path, default=None, help="start from this adapter's weights")
+    parser.add_argument(
+        "--val-data", type=Path, default=None,
+        help="distilled JSONL of held-out prompts (e.g. distill --prompts assets/data/heldout_val64.json): "
+        "losses, argmax agreement and an acceptance estimate at tau 0.9, logged to val.jsonl",
+    )
+    parser.add_argument("--val-every", type=int, default=100, help="steps between validations (also before the first and after the last)")
+    parser.add_argument("--val-rows", type=int, default=64, help="use at most N rows of --val-data")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def read_distilled(path: Path, max_response_tokens: int, start: int = 0, end: int | None = None) -> list[Example]:
+    """Rows ``start:end`` of a distilled JSONL file as training examples (a bad file is a UserError)."""
+    try:
+        return load_examples(read_jsonl(path)[start:end], max_response_tokens)
+    except (KeyError, ValueError) as err:
+        raise UserError(f"{path} is not a distilled JSONL file ({err})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,13 +93,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--init-adapter {args.init_adapter} holds no adapter_config.json")
     if args.init_adapter is not None and args.full:
         raise UserError("--init-adapter needs LoRA training, not --full")
+    if args.val_every < 1 or args.val_rows < 1:
+        raise UserError("--val-every and --val-rows must be at least 1")
+    if args.val_data is not None and not args.val_data.is_file():
+        raise UserError(f"validation file not found: {args.val_data}")
     if args.resume and not (args.out / "checkpoint" / "state.pt").is_file():
         raise UserError(f"nothing to resume: {args.out / 'checkpoint'} holds no checkpoint")
-    try:
-        rows = read_jsonl(args.data)[args.skip_rows : end]
-        examples = load_examples(rows, config.max_response_tokens)
-    except (KeyError, ValueError) as err:
-        raise UserError(f"{args.data} is not a distilled JSONL file ({err})") from None
+    examples = read_distilled(args.data, config.max_response_tokens, args.skip_rows, end)
     span = f"[{args.skip_rows or ''}:{end or ''}]" if args.skip_rows or end else ""  # the rows used, as a slice
     if args.max_repeat is not None:
         kept = [ex for ex in examples if repetition([ex.response]) <= args.max_repeat]
@@ -94,11 +109,20 @@ def run(args: argparse.Namespace) -> int:
     if not examples:
         after = f" after row {args.skip_rows}" if args.skip_rows else ""
         raise UserError(f"no usable examples in {args.data}{after}")
+    val_examples = None
+    if args.val_data is not None:
+        val_examples = read_distilled(args.val_data, config.max_response_tokens, 0, args.val_rows)
+        if not val_examples:
+            raise UserError(f"no usable rows in {args.val_data}")
+        shared = {ex.prompt for ex in val_examples} & {ex.prompt for ex in examples}
+        if shared:
+            raise UserError(f"{len(shared)} prompts of {args.val_data} are also in the training rows: validation needs held-out prompts")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
     lm = load_model(args.base, block_size=config.block_size, device=args.device)
     result = train(
         lm, examples, config, args.out, base_spec=args.base, data_path=f"{args.data}{span}",
         init_adapter=args.init_adapter, resume=args.resume,
+        val_examples=val_examples, val_every=args.val_every, val_data=str(args.val_data or ""),
     )
     last = result.history[-1] if result.history else None
     if last is not None:
@@ -106,5 +130,11 @@ def run(args: argparse.Namespace) -> int:
             f"{result.steps}/{result.total_steps} steps in {result.seconds:.0f} s "
             f"({result.seconds / max(result.steps, 1):.2f} s/step); last loss {last.loss:.3f} "
             f"(noisy {last.noisy_loss:.3f}, AR {last.ar_loss:.3f}); outputs in {args.out}"
+        )
+    if result.validation:
+        v = result.validation[-1]
+        print(
+            f"held out (step {v.step}): noisy {v.noisy_loss}, AR {v.ar_loss}, argmax agreement {v.ar_agreement}, "
+            f"~{v.tokens_per_pass} tokens/pass at tau {v.tau} with {v.extra_match} of the extra tokens matching"
         )
     return 0

@@ -1,0 +1,67 @@
+"""``validate``: a one-minute, teacher-forced preview of ``eval`` on distilled held-out rows.
+
+One forward pass per batch of rows in the training layout ([noisy | clean]) gives
+the held-out losses, how often the model's greedy choice is still the row's token
+(on rows distilled from the base: agreement with the base), and, per tau, the tokens
+a decoding pass would accept at every full block with the share of its extra tokens
+that match the row. See ``mars_demo.training.Validation``; ``train --val-data``
+logs the same figures during training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ..cli import UserError, add_model_argument
+from ..loading import load_model
+from ..training import TrainConfig, validate
+from .eval import parse_taus
+from .train import read_distilled
+
+HELP = "teacher-forced held-out losses, agreement with the data and accepted tokens per pass, in one forward per batch"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument(
+        "--data", type=Path, required=True,
+        help="distilled JSONL of held-out prompts (e.g. assets/data/heldout_val64.jsonl)",
+    )
+    parser.add_argument("--taus", default="0.95,0.9,0.7", help="comma-separated tau values for the acceptance estimate")
+    parser.add_argument("--rows", type=int, default=None, help="use only the first N rows")
+    parser.add_argument("--block-size", type=int, default=None, help="candidates per pass (default: the checkpoint's)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per tau instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    taus = parse_taus(args.taus)
+    if any(not 0.0 <= t <= 1.0 for t in taus):
+        raise UserError(f"tau must be between 0 and 1, got {args.taus}")
+    if (args.rows is not None and args.rows < 1) or args.batch_size < 1:
+        raise UserError("--rows and --batch-size must be at least 1")
+    if not args.data.is_file():
+        raise UserError(f"data file not found: {args.data}")
+    examples = read_distilled(args.data, TrainConfig().max_response_tokens, 0, args.rows)
+    if not examples:
+        raise UserError(f"no usable rows in {args.data}")
+    lm = load_model(args.model, block_size=args.block_size)
+    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
+    block = lm.meta.block_size
+    results = validate(lm.model, examples, lm.meta.mask_token_id, pad_id, block, taus=taus, batch_size=args.batch_size)
+    if args.json:
+        for result in results:
+            print(json.dumps({"model": lm.name, "block_size": block, "rows": len(examples)} | asdict(result)))
+        return 0
+    first = results[0]
+    print(f"model {lm.name} (block size {block}), {len(examples)} rows of {args.data}")
+    print(f"held-out loss: noisy {first.noisy_loss}, AR {first.ar_loss}; greedy choice = the row's token on "
+          f"{first.ar_agreement:.1%} of tokens")
+    print(f"{'tau':>5}  {'tok/pass':>8}  {'extra=row':>9}")
+    for result in results:
+        cells = ["-" if v is None else f"{v:.3f}" for v in (result.tokens_per_pass, result.extra_match)]
+        print(f"{result.tau:>5.2f}  {cells[0]:>8}  {cells[1]:>9}")
+    return 0
