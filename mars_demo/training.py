@@ -327,6 +327,7 @@ class Validation:
     tokens_per_pass: float | None  # mean accepted per full block at tau (None: no full block)
     extra_match: float | None  # share of the extra accepted tokens equal to the row's token (None: none accepted)
     tau: float
+    reach: list[float] | None = None  # per candidate 2..B: share of passes that accept it (where acceptance stops)
 
 
 @torch.no_grad()
@@ -343,7 +344,7 @@ def validate(
     was_training = model.training
     model.eval()
     totals = dict.fromkeys(("noisy", "clean", "n_noisy", "n_clean", "agree", "passes"), 0.0)
-    per_tau = {tau: dict.fromkeys(("accepted", "extra", "matched"), 0.0) for tau in taus}
+    per_tau = {tau: dict.fromkeys(("accepted", "extra", "matched"), 0.0) | {"reach": torch.zeros(block_size)} for tau in taus}
     try:
         for start in range(0, len(examples), batch_size):
             batch = collate(examples[start : start + batch_size], mask_id, pad_id, block_size)
@@ -377,6 +378,7 @@ def validate(
                 sums["accepted"] += counts.sum().item()
                 sums["extra"] += extra.sum().item()
                 sums["matched"] += (right[index] & extra).sum().item()
+                sums["reach"] += extra.sum(dim=0)
     finally:
         model.train(was_training)
     ratio = lambda num, den: round(num / den, 4) if den else None  # noqa: E731
@@ -385,6 +387,7 @@ def validate(
             step=step, noisy_loss=ratio(totals["noisy"], totals["n_noisy"]), ar_loss=ratio(totals["clean"], totals["n_clean"]),
             ar_agreement=ratio(totals["agree"], totals["n_clean"]), tokens_per_pass=ratio(sums["accepted"], totals["passes"]),
             extra_match=ratio(sums["matched"], sums["extra"]), tau=tau,
+            reach=[ratio(n, totals["passes"]) for n in sums["reach"][1:].tolist()] if totals["passes"] else None,
         )
         for tau, sums in per_tau.items()
     ]

@@ -60,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {lm.name} (block size {block}), {len(examples)} rows of {args.data}")
     print(f"held-out loss: noisy {first.noisy_loss}, AR {first.ar_loss}; greedy choice = the row's token on "
           f"{first.ar_agreement:.1%} of tokens")
-    print(f"{'tau':>5}  {'tok/pass':>8}  {'extra=row':>9}")
+    reach = [f"cand {j}" for j in range(2, block + 1)]
+    print(f"{'tau':>5}  {'tok/pass':>8}  {'extra=row':>9}  " + "  ".join(f"{r:>6}" for r in reach) + "  (share of passes accepting)")
     for result in results:
-        cells = ["-" if v is None else f"{v:.3f}" for v in (result.tokens_per_pass, result.extra_match)]
-        print(f"{result.tau:>5.2f}  {cells[0]:>8}  {cells[1]:>9}")
+        cells = ["-" if v is None else f"{v:.3f}" for v in (result.tokens_per_pass, result.extra_match, *(result.reach or []))]
+        print(f"{result.tau:>5.2f}  {cells[0]:>8}  {cells[1]:>9}  " + "  ".join(f"{c:>6}" for c in cells[2:]))
     return 0
