@@ -292,6 +292,11 @@ def target_logits(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, t
     return logits, torch.cat([batch.noisy_targets, batch.clean_targets])
 
 
+def cuda_autocast(device: torch.device) -> torch.autocast:
+    """bf16 autocast on CUDA (training and validation), a no-op elsewhere (CPU stays fp32)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def mars_loss(model: torch.nn.Module, batch: Batch, ar_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, noisy_loss, ar_loss), token means; logits only where a target is."""
     logits, targets = target_logits(model, batch)
@@ -337,9 +342,11 @@ def validate(
 ) -> list[Validation]:
     """Losses, argmax agreement and, per tau, an acceptance estimate on ``examples`` (see ``Validation``)."""
     from .acceptance import accept_count
+    from .config import check_tau
 
     if not examples:
         raise ValueError("no validation examples")
+    taus = tuple(check_tau(tau) for tau in taus)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -348,7 +355,7 @@ def validate(
     try:
         for start in range(0, len(examples), batch_size):
             batch = collate(examples[start : start + batch_size], mask_id, pad_id, block_size)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with cuda_autocast(device):
                 logits, targets = target_logits(model, batch.to(device))
             losses = F.cross_entropy(logits, targets, reduction="none").cpu()
             conf, guess = torch.softmax(logits, dim=-1).max(dim=-1)
@@ -671,7 +678,6 @@ def train(
     pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     lengths = [len(ex) for ex in examples]
     stream = micro_batches(lengths, config.batch_size, config.seed, start=step * config.grad_accum)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     payload = lambda: {  # noqa: E731
         "step": step, "seconds": seconds, "config": asdict(config), "examples": len(examples),
         "digest": examples_digest(examples), "base": base_spec, "data": data_path, "init_adapter": started_from,
@@ -703,7 +709,7 @@ def train(
             for _ in range(config.grad_accum):
                 batch = collate([examples[i] for i in next(stream)], lm.meta.mask_token_id, pad_id, config.block_size,
                                 noisy=config.objective == "mars")
-                with autocast:
+                with cuda_autocast(device):
                     loss, noisy_loss, ar_loss = mars_loss(model, batch.to(device), config.ar_weight)
                 (loss / config.grad_accum).backward()
                 sums += torch.stack([loss, noisy_loss, ar_loss]).detach().float() / config.grad_accum

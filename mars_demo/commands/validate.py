@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..cli import UserError, add_model_argument
+from ..config import check_tau
 from ..loading import load_model
 from ..training import TrainConfig, validate
 from .eval import parse_taus
@@ -38,9 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    taus = parse_taus(args.taus)
-    if any(not 0.0 <= t <= 1.0 for t in taus):
-        raise UserError(f"tau must be between 0 and 1, got {args.taus}")
+    taus = tuple(check_tau(tau) for tau in parse_taus(args.taus))  # before the model loads
     if (args.rows is not None and args.rows < 1) or args.batch_size < 1:
         raise UserError("--rows and --batch-size must be at least 1")
     if not args.data.is_file():
