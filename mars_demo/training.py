@@ -333,6 +333,13 @@ class Validation:
     extra_match: float | None  # share of the extra accepted tokens equal to the row's token (None: none accepted)
     tau: float
     reach: list[float] | None = None  # per candidate 2..B: share of passes that accept it (where acceptance stops)
+    # How sure the AR head is of the row's tokens: mean probability, and the share at >= tau. A mask guesses
+    # a token from less context than the AR head gets for it, so ar_sure soft-bounds candidate 2's reach.
+    ar_confidence: float | None = None
+    ar_sure: float | None = None
+    # tokens_per_pass if candidate j's confidence were the AR head's probability of the row's path
+    # x_p..x_{p+j-1} (what masks exactly as sure as the AR head would give): a reference, not a bound
+    ar_path_tokens_per_pass: float | None = None
 
 
 @torch.no_grad()
@@ -350,8 +357,9 @@ def validate(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    totals = dict.fromkeys(("noisy", "clean", "n_noisy", "n_clean", "agree", "passes"), 0.0)
-    per_tau = {tau: dict.fromkeys(("accepted", "extra", "matched"), 0.0) | {"reach": torch.zeros(block_size)} for tau in taus}
+    totals = dict.fromkeys(("noisy", "clean", "n_noisy", "n_clean", "agree", "p_row", "passes"), 0.0)
+    per_tau = {tau: dict.fromkeys(("accepted", "extra", "matched", "sure", "path"), 0.0) | {"reach": torch.zeros(block_size)}
+               for tau in taus}
     try:
         for start in range(0, len(examples), batch_size):
             batch = collate(examples[start : start + batch_size], mask_id, pad_id, block_size)
@@ -366,19 +374,30 @@ def validate(
             totals["n_noisy"] += n_noisy
             totals["n_clean"] += losses.numel() - n_noisy
             totals["agree"] += right[n_noisy:].sum().item()
+            p_row = torch.exp(-losses[n_noisy:])  # the clean stream's probability of each row token
+            totals["p_row"] += p_row.sum().item()
+            for tau, sums in per_tau.items():
+                sums["sure"] += (p_row >= tau).sum().item()
             # candidates by (row, block): offset 0 from the clean stream, 1..B-1 from the noisy one
             rows = torch.cat([batch.noisy_rows, batch.clean_rows]).tolist()
             positions = torch.cat([batch.noisy_positions, batch.clean_positions]).tolist()
             blocks: dict[tuple[int, int], dict[int, int]] = {}
+            clean_at: dict[tuple[int, int], int] = {}  # (row, position) -> the clean target there
             for k, (row, pos) in enumerate(zip(rows, positions)):
                 if k < n_noisy or pos % block_size == 0:
                     blocks.setdefault((row, pos // block_size), {})[pos % block_size] = k
-            full = [[cands[j] for j in range(block_size)] for cands in blocks.values() if len(cands) == block_size]
+                if k >= n_noisy:
+                    clean_at[row, pos] = k - n_noisy
+            full = [((row, b), [cands[j] for j in range(block_size)]) for (row, b), cands in blocks.items()
+                    if len(cands) == block_size]
             if not full:
                 continue
-            index = torch.tensor(full)  # (passes, B): where each candidate's conf / right sits
+            index = torch.tensor([cands for _, cands in full])  # (passes, B): where each candidate's conf / right sits
+            on_path = torch.tensor([[clean_at[row, b * block_size + j] for j in range(block_size)] for (row, b), _ in full])
+            path = p_row[on_path].cumprod(dim=-1)  # (passes, B): the AR head's probability of x_p..x_{p+j}
             totals["passes"] += len(full)
             for tau, sums in per_tau.items():
+                sums["path"] += accept_count(path, tau).sum().item()
                 counts = accept_count(conf[index], tau)
                 extra = torch.arange(block_size) < counts[:, None]
                 extra[:, 0] = False
@@ -395,6 +414,8 @@ def validate(
             ar_agreement=ratio(totals["agree"], totals["n_clean"]), tokens_per_pass=ratio(sums["accepted"], totals["passes"]),
             extra_match=ratio(sums["matched"], sums["extra"]), tau=tau,
             reach=[ratio(n, totals["passes"]) for n in sums["reach"][1:].tolist()] if totals["passes"] else None,
+            ar_confidence=ratio(totals["p_row"], totals["n_clean"]), ar_sure=ratio(sums["sure"], totals["n_clean"]),
+            ar_path_tokens_per_pass=ratio(sums["path"], totals["passes"]),
         )
         for tau, sums in per_tau.items()
     ]

@@ -3,7 +3,9 @@
 Runs a prompt on the bundled default model, drags the tau slider while the run is
 going, and checks in the downloaded per-pass trace (and in the chart's data) that
 the new tau took effect from a pass during the run; the answer is HTML, which must
-show as text. Saves docs/screenshot.png.
+show as text. Saves a screenshot to the test's temporary folder, or to the path in
+MARS_DEMO_SCREENSHOT (``MARS_DEMO_SCREENSHOT=docs/screenshot.png`` refreshes the
+committed one), so that a test run leaves the checkout as it was.
 
 Skipped, with the reason, where Playwright, a Chromium or the bundled model is
 missing. MARS_DEMO_CHROMIUM points at a Chromium binary; otherwise /usr/bin/chromium,
@@ -27,7 +29,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCREENSHOT = ROOT / "docs" / "screenshot.png"
 # The bundled model answers this with HTML (a <script> tag included): it must show as text.
 PROMPT = "Write a tiny HTML page with a <script> tag that shows an alert."
 MAX_NEW_TOKENS = 96
@@ -131,7 +132,7 @@ def passes(page, side: str) -> int:
     return int(page.get_attribute(f"#{side}-pane .pane", "data-passes"))
 
 
-def test_tau_dragged_mid_run_changes_acceptance(browser, server):
+def test_tau_dragged_mid_run_changes_acceptance(browser, server, tmp_path):
     page = browser.new_page(viewport={"width": 1440, "height": 1000})
     dialogs = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
@@ -184,7 +185,8 @@ def test_tau_dragged_mid_run_changes_acceptance(browser, server):
         # The sidebar is fixed to the viewport: grow the viewport to the page instead of a full-page shot.
         height = page.evaluate("document.documentElement.scrollHeight")
         page.set_viewport_size({"width": 1440, "height": min(height, 2400)})
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT))
+        screenshot = Path(os.environ.get("MARS_DEMO_SCREENSHOT") or tmp_path / "screenshot.png")
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(screenshot))
     finally:
         page.close()

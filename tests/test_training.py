@@ -222,11 +222,44 @@ def test_validation_is_what_decoding_would_accept(tiny_lm, block):
         for ex in exs
     ]
     assert result.ar_agreement == pytest.approx(sum(map(sum, agree)) / sum(map(len, agree)), abs=1e-4)
+    # the AR head's probability of each row token, from a plain causal forward over the row
+    p_row = sorted(
+        p for ex in exs
+        for p in torch.softmax(logits_of(model, list(ex.prompt + ex.response))[len(ex.prompt) - 1 : -1], dim=-1)
+        .gather(-1, torch.tensor(ex.response)[:, None]).squeeze(-1).tolist()
+    )
+    assert result.ar_confidence == pytest.approx(sum(p_row) / len(p_row), abs=1e-4)
+    assert result.ar_sure == pytest.approx(sum(p >= tau for p in p_row) / len(p_row), abs=1e-4)
+    gap, k = max((p_row[k + 1] - p_row[k], k) for k in range(len(p_row) // 4, 3 * len(p_row) // 4))
+    assert gap > 1e-4
+    tau_ar = (p_row[k] + p_row[k + 1]) / 2  # between a quarter and three quarters of the tokens are that sure
+    # the AR path reference: each full block at p as if candidate j's confidence were P(x_p..x_{p+j-1}) under the AR head
+    paths = []
+    for ex in exs:
+        x, n_prompt = list(ex.prompt + ex.response), len(ex.prompt)
+        probs = torch.softmax(logits_of(model, x), dim=-1)  # row i: the distribution of x[i + 1]
+        for p in range(0, len(x) - block + 1, block):
+            if p >= n_prompt:
+                paths.append(torch.tensor([probs[p - 1 + j, x[p + j]] for j in range(block)]).cumprod(0).tolist())
+    second = sorted(path[1] for path in paths)  # tiny probabilities in a random model: split them by ratio
+    ratio, j = max((second[j + 1] / second[j], j) for j in range(len(second) // 4, 3 * len(second) // 4))
+    assert ratio > 1.01
+    tau_path = (second[j] * second[j + 1]) ** 0.5
+    path_counts = []
+    for path in paths:
+        n = 1
+        while n < block and path[n] >= tau_path:
+            n += 1
+        path_counts.append(n)
+    by_ar, by_path = validate(model, exs, mask_id, 0, block, taus=(tau_ar, tau_path), batch_size=2)
+    assert by_ar.ar_sure == pytest.approx((len(p_row) - k - 1) / len(p_row), abs=1e-4)
+    assert by_path.ar_path_tokens_per_pass == pytest.approx(sum(path_counts) / len(path_counts), abs=1e-4)
+    assert 1 < by_path.ar_path_tokens_per_pass < 2
     one_by_one, = validate(model, exs, mask_id, 0, block, taus=(tau,), batch_size=1)  # padding changes nothing
     for key, value in vars(result).items():
         assert getattr(one_by_one, key) == (0 if key == "step" else pytest.approx(value, abs=2e-4)), key
     assert plain.tokens_per_pass == 1.0 and plain.extra_match is None  # tau = 1.0: one token per pass
-    assert (plain.ar_loss, plain.ar_agreement) == (result.ar_loss, result.ar_agreement)
+    assert (plain.ar_loss, plain.ar_agreement, plain.ar_confidence) == (result.ar_loss, result.ar_agreement, result.ar_confidence)
 
 
 # ----------------------------------------------------------------------------- data order

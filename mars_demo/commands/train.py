@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         v = result.validation[-1]
         print(
             f"held out (step {v.step}): noisy {v.noisy_loss}, AR {v.ar_loss}, argmax agreement {v.ar_agreement}, "
-            f"~{v.tokens_per_pass} tokens/pass at tau {v.tau} with {v.extra_match} of the extra tokens matching"
+            f"~{v.tokens_per_pass} tokens/pass at tau {v.tau} with {v.extra_match} of the extra tokens matching; "
+            f"the AR head is that sure of {v.ar_sure} of the tokens"
         )
     return 0

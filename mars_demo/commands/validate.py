@@ -4,8 +4,9 @@ One forward pass per batch of rows in the training layout ([noisy | clean]) give
 the held-out losses, how often the model's greedy choice is still the row's token
 (on rows distilled from the base: agreement with the base), and, per tau, the tokens
 a decoding pass would accept at every full block with the share of its extra tokens
-that match the row. See ``mars_demo.training.Validation``; ``train --val-data``
-logs the same figures during training.
+that match the row; beside them, how sure the AR head itself is of the row's tokens
+(which soft-bounds what the masks can accept). See ``mars_demo.training.Validation``;
+``train --val-data`` logs the same figures during training.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ def run(args: argparse.Namespace) -> int:
     first = results[0]
     print(f"model {lm.name} (block size {block}), {len(examples)} rows of {args.data}")
     print(f"held-out loss: noisy {first.noisy_loss}, AR {first.ar_loss}; greedy choice = the row's token on "
-          f"{first.ar_agreement:.1%} of tokens")
+          f"{first.ar_agreement:.1%} of tokens; the AR head gives the row's token {first.ar_confidence:.3f} on average")
     reach = [f"cand {j}" for j in range(2, block + 1)]
-    print(f"{'tau':>5}  {'tok/pass':>8}  {'extra=row':>9}  " + "  ".join(f"{r:>6}" for r in reach) + "  (share of passes accepting)")
+    print(f"{'tau':>5}  {'tok/pass':>8}  {'extra=row':>9}  {'AR sure':>7}  {'AR path':>7}  " + "  ".join(f"{r:>6}" for r in reach))
     for result in results:
-        cells = ["-" if v is None else f"{v:.3f}" for v in (result.tokens_per_pass, result.extra_match, *(result.reach or []))]
-        print(f"{result.tau:>5.2f}  {cells[0]:>8}  {cells[1]:>9}  " + "  ".join(f"{c:>6}" for c in cells[2:]))
+        values = (result.tokens_per_pass, result.extra_match, result.ar_sure, result.ar_path_tokens_per_pass, *(result.reach or []))
+        cells = ["-" if v is None else f"{v:.3f}" for v in values]
+        print(f"{result.tau:>5.2f}  " + "  ".join(f"{c:>{len(h)}}" for c, h in zip(cells, ("tok/pass", "extra=row", "AR sure", "AR path", *reach))))
+    print("AR sure: share of the row's tokens the AR head gives >= tau. AR path: tok/pass if every mask were exactly as\n"
+          "sure as the AR head is of the row's path to its token. cand j: share of passes that accept candidate j.")
     return 0
