@@ -378,22 +378,17 @@ def validate(
             totals["p_row"] += p_row.sum().item()
             for tau, sums in per_tau.items():
                 sums["sure"] += (p_row >= tau).sum().item()
-            # candidates by (row, block): offset 0 from the clean stream, 1..B-1 from the noisy one
+            # a full block at p: candidate 1 is the clean target at p, candidate j the noisy one at p + j - 1
             rows = torch.cat([batch.noisy_rows, batch.clean_rows]).tolist()
             positions = torch.cat([batch.noisy_positions, batch.clean_positions]).tolist()
-            blocks: dict[tuple[int, int], dict[int, int]] = {}
-            clean_at: dict[tuple[int, int], int] = {}  # (row, position) -> the clean target there
-            for k, (row, pos) in enumerate(zip(rows, positions)):
-                if k < n_noisy or pos % block_size == 0:
-                    blocks.setdefault((row, pos // block_size), {})[pos % block_size] = k
-                if k >= n_noisy:
-                    clean_at[row, pos] = k - n_noisy
-            full = [((row, b), [cands[j] for j in range(block_size)]) for (row, b), cands in blocks.items()
-                    if len(cands) == block_size]
+            at = {(k >= n_noisy, row, pos): k for k, (row, pos) in enumerate(zip(rows, positions))}  # (clean?, row, pos)
+            full = [(row, pos) for clean, row, pos in at if clean and pos % block_size == 0
+                    and all((False, row, pos + j) in at for j in range(1, block_size))]
             if not full:
                 continue
-            index = torch.tensor([cands for _, cands in full])  # (passes, B): where each candidate's conf / right sits
-            on_path = torch.tensor([[clean_at[row, b * block_size + j] for j in range(block_size)] for (row, b), _ in full])
+            index = torch.tensor([[at[True, row, p]] + [at[False, row, p + j] for j in range(1, block_size)]
+                                  for row, p in full])  # (passes, B): where each candidate's conf / right sits
+            on_path = torch.tensor([[at[True, row, p + j] - n_noisy for j in range(block_size)] for row, p in full])
             path = p_row[on_path].cumprod(dim=-1)  # (passes, B): the AR head's probability of x_p..x_{p+j}
             totals["passes"] += len(full)
             for tau, sums in per_tau.items():
