@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -580,6 +581,9 @@ def test_full_fine_tuning_saves_a_loadable_model(tmp_path, base_dir):
     result = train(lm, examples, config, out, base_spec=base_dir, progress=False)
     loaded = load_model(str(out))
     assert loaded.meta.mask_token_id == lm.meta.mask_token_id and loaded.meta.block_size == 4
+    with safe_open(out / "model.safetensors", "pt") as saved:  # the tied LM head is stored once
+        assert "lm_head.weight" not in saved.keys() and "model.embed_tokens.weight" in saved.keys()
+    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
     ids = prompt_ids(lm.tokenizer, PROMPTS[2])
     trained = result.model.eval()
     with torch.no_grad():  # the saved weights are fp16 copies
