@@ -560,12 +560,8 @@ def save_model(model, lm, out_dir: Path, base_spec: str, block_size: int) -> Non
         adapter_config["base_model_name_or_path"] = base_spec  # load_model resolves the base by spec
         config_path.write_text(json.dumps(adapter_config, indent=2) + "\n")
     else:
-        state, seen = {}, set()
-        for name, value in inner.state_dict().items():
-            if value.data_ptr() in seen:  # a tied weight (SmolLM2's lm_head is embed_tokens): stored once
-                continue
-            seen.add(value.data_ptr())
-            state[name] = value.detach().half()
+        halves: dict[int, torch.Tensor] = {}  # tied weights stay one tensor, so save_pretrained stores them once
+        state = {k: halves.setdefault(v.data_ptr(), v.detach().half()) for k, v in inner.state_dict().items()}
         inner.save_pretrained(str(out_dir), state_dict=state)
         lm.tokenizer.save_pretrained(str(out_dir))
     from .loading import MarsMeta
