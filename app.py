@@ -21,7 +21,7 @@ import sys
 
 import gradio as gr
 
-from mars_demo.config import CPU_MAX_FED, METRICS, RANGES, DecodeConfig
+from mars_demo.config import METRICS, RANGES, DecodeConfig
 from mars_demo.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import SWEEP_COLUMNS, DemoHandlers, empty_figures
@@ -86,8 +86,8 @@ def build_demo(loader: Loader = load_for_decoding, *, concurrency: int | None = 
             temperature = _slider("temperature", "Temperature", DEFAULTS.temperature, "0 is greedy.", elem_id="temperature")
             full_window = gr.Checkbox(
                 value=False, label="Full window every pass (as in the paper)", elem_id="full-window",
-                info=f"Off: on a CPU a pass feeds at most {CPU_MAX_FED} tokens, because wider passes cost ~1.3x there; "
-                "on a GPU always the full window.",
+                info="Off: on a CPU a pass feeds at most the tokens the measured compute path runs for about the "
+                "cost of one (see the model line); on a GPU always the full window.",
             )
             with_ar = gr.Checkbox(value=True, label="Race against the AR baseline", elem_id="with-ar")
 

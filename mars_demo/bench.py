@@ -44,7 +44,7 @@ from .config import DecodeConfig, check_tau, resolve_max_fed
 from .data import prompt_ids
 from .decoding import collect, eos_ids, stream
 from .evaluation import Scorer, pooled_nll, prefix_agreement
-from .kernels import DualLayoutLinear
+from .kernels import cpu_model
 from .loading import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -242,14 +242,9 @@ def nll_per_token(scorer: Scorer, outputs: list[list[int]]) -> float:
 
 def machine(model: PreTrainedModel) -> dict:
     """The machine and software the numbers were taken on."""
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    compute = getattr(model, "mars_compute", None)  # kernels.ComputePath, set by load_model
     desc = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
@@ -260,7 +255,7 @@ def machine(model: PreTrainedModel) -> dict:
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
         "attention": getattr(model.config, "_attn_implementation", None),
-        "dual_layout_linears": sum(isinstance(m, DualLayoutLinear) for m in model.modules()),  # kernels.py
+        "compute_path": compute.record() if compute is not None else None,
     }
     if model.device.type == "cuda":
         desc["gpu"] = torch.cuda.get_device_name(model.device)
@@ -341,7 +336,7 @@ def profile_passes(
     """
     profile: dict = {"tau": tau, "block_size": block_size, "prompts": min(limit, len(prompts))}
     variants = [("mars", "mars", max_fed), ("ar", "ar", None)]
-    if resolve_max_fed(max_fed, lm.device.type) is not None:
+    if resolve_max_fed(max_fed, lm.model) is not None:
         variants.insert(1, ("mars_full_window", "mars", None))
     for name, mode, cap in variants:
         config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens, max_fed=cap)
@@ -398,7 +393,7 @@ def run_benchmark(
         "machine": machine(lm.model),
         "settings": {
             **asdict(config), "block_size": block, "prompts": len(prompts),
-            "max_fed_resolved": resolve_max_fed(config.max_fed, lm.device.type),
+            "max_fed_resolved": resolve_max_fed(config.max_fed, lm.model),
         },
         "runs": runs,
         "profile": profile,

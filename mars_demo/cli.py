@@ -14,6 +14,7 @@ import pkgutil
 import sys
 
 from . import commands
+from .kernels import PRECISION_ENV, PRECISIONS
 from .loading import BUNDLED, ModelLoadError
 
 
@@ -46,8 +47,17 @@ def max_fed_value(text: str) -> int | str | None:
 def add_max_fed_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-fed", type=max_fed_value, default="auto", metavar="{auto,none,N}",
-        help="cap on the tokens one MARS pass feeds (accepted + masks): auto = 3 on a CPU, where wider passes cost "
-        "more, none elsewhere; none = always B-1 masks, as in the paper (default: auto)",
+        help="cap on the tokens one MARS pass feeds (accepted + masks): auto = the widest pass the measured CPU "
+        "compute path runs for at most 1.15x a one-token pass, none on a GPU; none = always B-1 masks, as in the "
+        "paper (default: auto)",
+    )
+
+
+def add_precision_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--precision", choices=PRECISIONS, default=None,
+        help="CPU compute path: auto measures fp32, bf16 and int8 on this machine once and picks the fastest that "
+        f"keeps quality (default: ${PRECISION_ENV}, else auto)",
     )
 
 

@@ -22,10 +22,6 @@ RANGES: dict[str, tuple[float, float, float]] = {
     "temperature": (0.0, 2.0, 0.05),
 }
 
-# Measured on the development CPU (MKL, 2 threads): a cached pass over 1-3 tokens
-# costs the same as over 1, 4 tokens ~1.2-1.3x more; see BENCHMARKS.md.
-CPU_MAX_FED = 3
-
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -39,11 +35,11 @@ class DecodeConfig:
     temperature: 0 is greedy; above 0 samples with Gumbel-max noise.
     stop: strings that end the output; the output ends with the stop string, as in transformers.
     max_fed: cap on the tokens one decoding pass feeds (last pass's accepted tokens + masks),
-      for hardware where a pass's cost steps up with its width (CPU: 4 tokens cost ~1.3x 3);
-      at least one mask is fed whatever the cap, and the prefill pass always gets B-1.
-      None feeds B-1 masks every pass, as METHOD.md describes; "auto" is CPU_MAX_FED on a
-      CPU and None elsewhere. Candidates are a prefix of the B candidates, so a cap
-      trades tokens per pass for cheaper passes; the acceptance rule is the same.
+      for hardware where a pass's cost grows with its width (many CPUs); at least one mask
+      is fed whatever the cap, and the prefill pass always gets B-1. None feeds B-1 masks
+      every pass, as the method describes; "auto" is the cap measured for the model's CPU
+      compute path (kernels.py), else None. Candidates are a prefix of the B candidates,
+      so a cap trades tokens per pass for cheaper passes; the acceptance rule is the same.
       Single-sequence decoding only: batch passes are wide anyway.
     """
 
@@ -85,10 +81,11 @@ class DecodeConfig:
         return replace(self, **changes)
 
 
-def resolve_max_fed(max_fed: int | str | None, device_type: str) -> int | None:
-    """The cap a config's ``max_fed`` means on a device ("cpu", "cuda", ...)."""
+def resolve_max_fed(max_fed: int | str | None, model) -> int | None:
+    """The cap a config's ``max_fed`` means for ``model``: "auto" is its measured compute path's cap."""
     if max_fed == "auto":
-        return CPU_MAX_FED if device_type == "cpu" else None
+        compute = getattr(model, "mars_compute", None)  # set by load_model(precision=...)
+        return compute.max_fed if compute is not None else None
     return max_fed
 
 

@@ -274,7 +274,7 @@ def stream(
         model, prompt, window=window, mask_id=mask_id, tau=tau or LiveTau(config.tau), metric=config.metric,
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), seed=config.seed,
-        max_fed=resolve_max_fed(config.max_fed, model.device.type),
+        max_fed=resolve_max_fed(config.max_fed, model),
     )
     return _events(passes, Detokenizer(tokenizer), config.stop)
 

@@ -445,7 +445,7 @@ def evaluate(
         "base": base.name,
         "block_size": block,
         "max_new_tokens": config.max_new_tokens,
-        "max_fed": resolve_max_fed(config.max_fed, lm.device.type),
+        "max_fed": resolve_max_fed(config.max_fed, lm.model),
         "device": str(lm.device),
         "dtype": str(lm.model.dtype).removeprefix("torch."),
         "definitions": DEFINITIONS,

@@ -1,53 +1,317 @@
-"""A CPU fast path for the small matrix products of decoding.
+"""CPU compute paths for decoding: fp32, bf16 or int8 weights, chosen by measuring this machine.
 
-On CPU, ``F.linear(x, W)`` with fp32 weights takes a much slower kernel as soon as
-``x`` has 4 rows or more: on the development machine (2 cores, MKL) a 576 x 576
-layer costs 15 us for 3 rows and 64 us for 4, while the same product against a
-contiguous transposed copy of ``W`` (``x @ W.T``) costs 12 us for both. A MARS pass
-feeds 4-7 tokens, so this step alone made it ~1.5x as costly as an AR pass. Keeping
-both layouts and choosing by the number of rows removes the step: measured on the
-bundled model, a pass over 4-7 tokens went from 49-53 ms to 41-47 ms, 1-3 tokens
-unchanged (31-35 ms). BENCHMARKS.md has the numbers.
+The cost of a cached forward pass by tokens fed differs from CPU to CPU (docs/COMPUTE.md
+has the curves): one machine's fp32 GEMM is flat up to 3 rows, another's doubles at 2.
+So ``select`` times each path on the machine at hand, keeps the table beside the
+converted weights (keyed by CPU model, threads and library versions), checks each
+path's quality against fp32 (teacher-forced dNLL on a fixed text), and picks the
+fastest path that passes. The tokens-fed cap for MARS passes comes from the same curve.
 
-Decoding only: the transposed copy is a snapshot taken when it is installed (a later
-in-place change of the weights, such as peft's merge, would not reach it), and it
-costs one more copy of every projection's weights (~0.4 GB for SmolLM2-135M). So
-``load_model`` installs it only when asked (``fast_cpu=True``: the commands that
-decode and the app), never for training.
+Every non-fp32 path is *row-exact*: a row's output of a pass does not depend on the
+other rows fed with it, bit for bit. Two pieces make it so:
+  * ``Int8Linear``: int8 weights (one scale per output channel), bf16 activations,
+    ``torch._weight_int8pack_mm``; each output row is its own dot products. There is
+    no activation quantisation, so no scale shared across rows.
+  * ``row_exact_attention``: a decoding pass's rows attend one at a time, each as a
+    one-token pass over the keys it may see, so a row's arithmetic is that of the AR pass.
+Hence MARS at tau = 1.0 and exact (verified) decoding equal one-token AR on these paths.
+fp32 stays on the stock kernels (MKL's GEMV and GEMM round differently; ~1e-5).
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-# Up to this many rows, F.linear's own kernel is as fast or faster.
-SMALL_ROWS = 3
+logger = logging.getLogger(__name__)
+
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8")
+PATHS: tuple[str, ...] = ("fp32", "bf16", "int8")
+PRECISION_ENV = "MARS_DEMO_PRECISION"
+# The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
+MAX_COST_SHARE = 1.15
+# auto never picks a path whose teacher-forced NLL on the calibration texts exceeds fp32's by more.
+DNLL_LIMIT = 0.03
+# Calibration: CALIBRATION_TEXT and the first rows of held-out chat answers (none trained on).
+CALIBRATION_FILE = Path(__file__).resolve().parent.parent / "assets" / "data" / "heldout_val64.jsonl"
+CALIBRATION_ROWS = 4
+# Passes up to this many rows attend row by row; longer ones (prefills) in one call,
+# the same for every decoder, so they need no row-exactness.
+ROW_EXACT_MAX_ROWS = 16
+ROW_EXACT = "mars_row_exact"
+TABLE_FILE = "compute-paths.json"
+CALIBRATION_TEXT = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
+    "the members agreed to spend more on the library and the public parks, and less on new office "
+    "furniture. To learn a new language, practise a little every day, read simple books, listen to "
+    "native speakers and do not be afraid of mistakes. Water boils at one hundred degrees Celsius at sea "
+    "level; at higher altitudes it boils at a lower temperature because the air pressure is lower. "
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"
+)
 
 
-class DualLayoutLinear(nn.Linear):
-    """An ``nn.Linear`` that also keeps its weight transposed and contiguous (buffer ``weight_t``)."""
+def check_precision(value: str | None) -> str:
+    """``value`` if it names a precision (None -> "auto"); a ValueError with one line otherwise."""
+    value = "auto" if value is None else value
+    if value not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {value!r}")
+    return value
 
-    weight_t: torch.Tensor
+
+# -- row-exact building blocks -----------------------------------------------------------------
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear: per-output-channel scales, bf16 activations, rows independent."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # (out, in)
+        scale = weight.abs().amax(dim=1).clamp_min(1e-8) / 127
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= SMALL_ROWS * self.in_features or (self.weight.requires_grad and torch.is_grad_enabled()):
-            return F.linear(x, self.weight, self.bias)
-        y = x @ self.weight_t
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
+        y = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
-def install_dual_layout(model: nn.Module) -> int:
-    """Turn the model's projections (not its LM head) into ``DualLayoutLinear`` in place; returns how many.
+def _visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> list[list]:
+    """For every (row of the batch, query), a prefix length or an index tensor of the keys it may see."""
+    if attention_mask is None:  # causal over a cache of kv_len - q_len tokens
+        return [[kv_len - q_len + i + 1 for i in range(q_len)] for _ in range(batch)]
+    allowed = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+    allowed = allowed.expand(batch, q_len, kv_len)  # (batch, q, kv)
+    counts = allowed.sum(-1).tolist()
+    prefix = allowed.int().cumprod(-1).sum(-1).tolist()  # one host sync for the whole pass
+    return [
+        [counts[b][i] if prefix[b][i] == counts[b][i] else allowed[b, i].nonzero().squeeze(1) for i in range(q_len)]
+        for b in range(batch)
+    ]
 
-    The state dict does not change (the transposed copy is a non-persistent buffer).
+
+_last_mask: tuple = (None, None)  # every layer of a pass gets the same mask object: read it once
+
+
+def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA in which each query row of a short pass attends alone, as in a one-token pass."""
+    global _last_mask
+    batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)
+    if q_len > ROW_EXACT_MAX_ROWS or (batch == 1 and q_len == 1 and attention_mask is None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    seen = _last_mask
+    if attention_mask is not None and seen[0] is attention_mask:
+        visible = seen[1]
+    else:
+        visible = _visible_keys(attention_mask, batch, q_len, key.shape[2])
+        _last_mask = (attention_mask, visible)
+    rows = []
+    for b in range(batch):
+        for i, keys in enumerate(visible[b]):
+            if isinstance(keys, int):
+                k, v = key[b : b + 1, :, :keys], value[b : b + 1, :, :keys]
+            else:
+                k, v = key[b : b + 1, :, keys], value[b : b + 1, :, keys]
+            rows.append(sdpa_attention_forward(module, query[b : b + 1, :, i : i + 1], k, v, None, **kwargs)[0])
+    out = torch.cat(rows, dim=1).reshape(batch, q_len, *rows[0].shape[2:])  # (batch, q, heads, head_dim)
+    return out, None
+
+
+AttentionInterface.register(ROW_EXACT, row_exact_attention)
+
+
+def convert(model: PreTrainedModel, path: str, *, row_exact: bool = True) -> PreTrainedModel:
+    """Put ``model`` (fp32, on a CPU) on ``path`` in place; ``row_exact`` adds the row-exact attention."""
+    if path not in PATHS:
+        raise ValueError(f"unknown compute path {path!r}")
+    if path == "bf16":
+        model.to(torch.bfloat16)
+    elif path == "int8":
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, Int8Linear(child))
+    if path != "fp32" and row_exact:
+        model.set_attn_implementation(ROW_EXACT)
+    return model
+
+
+# -- measuring ----------------------------------------------------------------------------------
+@dataclass
+class ComputePath:
+    """The path a model decodes on, why, and the measured curve (ms per cached pass by tokens fed)."""
+
+    path: str
+    requested: str
+    costs_ms: dict[int, float] = field(default_factory=dict)
+    max_fed: int | None = None
+    dnll: float | None = None  # teacher-forced NLL on the calibration texts minus fp32's
+    cpu: str = ""
+    threads: int = 0
+    candidates: dict[str, dict] = field(default_factory=dict)  # auto: every path's curve and dnll
+    cached: bool = False
+
+    def summary(self) -> str:
+        """One line: path, cap and the curve, for status lines and logs."""
+        curve = " ".join(f"{w}:{ms:.0f}" for w, ms in sorted(self.costs_ms.items()))
+        cap = f", up to {self.max_fed} tokens fed per pass" if self.max_fed else ""
+        return f"{self.path}{' (auto)' if self.requested == 'auto' else ''}{cap}; ms per pass by tokens fed {curve}"
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def pass_costs(model: PreTrainedModel, widths: range, *, context: int = 128, reps: int = 5) -> dict[int, float]:
+    """Median ms of a cached pass feeding each width of tokens after ``context`` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    ids = torch.randint(vocab // 4, vocab // 2, (1, context + max(widths)), generator=gen)
+    cache = DynamicCache(config=model.config)
+    costs = {}
+    with torch.inference_mode():
+        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for width in widths:
+            fed = ids[:, context : context + width]
+            times = []
+            for _ in range(reps + 2):  # two warm-ups
+                started = time.perf_counter()
+                model(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=width)
+                times.append(time.perf_counter() - started)
+                cache.crop(-width)
+            costs[width] = round(sorted(times[2:])[reps // 2] * 1000, 2)
+    return costs
+
+
+def calibration_texts() -> list[str]:
+    texts = [CALIBRATION_TEXT]
+    if CALIBRATION_FILE.is_file():
+        rows = [json.loads(line) for line in CALIBRATION_FILE.read_text().splitlines()[:CALIBRATION_ROWS]]
+        texts += [f"{row['prompt']}\n\n{row['response']}" for row in rows]
+    return texts
+
+
+def text_nll(model: PreTrainedModel, texts: list[torch.Tensor]) -> float:
+    """Teacher-forced NLL (nats per token, pooled over tokens) of token id tensors (1, n)."""
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for ids in texts:
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            total += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+    return total / count
+
+
+def cap_from_costs(costs: dict[int, float], share: float = MAX_COST_SHARE) -> int:
+    """The widest pass costing at most ``share`` x a one-token pass (at least 2: one token and one mask)."""
+    limit = costs[1] * share
+    return max([2] + [w for w, ms in costs.items() if w >= 2 and ms <= limit])
+
+
+def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT) -> str:
+    """The fastest path (one-token pass; within 3%, the cheaper widest pass) whose dnll <= ``limit``."""
+    passing = [p for p in PATHS if p in candidates and (p == "fp32" or candidates[p]["dnll"] <= limit)]
+
+    def speed(p: str) -> tuple[float, float]:
+        costs = {int(w): ms for w, ms in candidates[p]["costs_ms"].items()}
+        return costs[1], costs[max(costs)]
+
+    best = min(passing, key=lambda p: speed(p)[0])
+    close = [p for p in passing if speed(p)[0] <= speed(best)[0] * 1.03]
+    return min(close, key=lambda p: speed(p)[1])
+
+
+def table_key(model: PreTrainedModel, widths: range) -> str:
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    params = sum(p.numel() for p in model.parameters())
+    return "|".join([
+        cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
+        f"transformers={transformers.__version__}", f"model={name}", f"params={params}", f"widths={widths.stop - 1}",
+    ])
+
+
+def _read_table(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _measure(model: PreTrainedModel, paths: tuple[str, ...], widths: range, calibration: list[torch.Tensor]) -> dict:
+    """Each path's cost curve and dnll, converting copies of the fp32 ``model``."""
+    reference = text_nll(model, calibration)
+    found = {}
+    for path in paths:
+        started = time.perf_counter()
+        candidate = model if path == "fp32" else convert(copy.deepcopy(model), path)
+        costs = pass_costs(candidate, widths)
+        dnll = 0.0 if path == "fp32" else text_nll(candidate, calibration) - reference
+        found[path] = {"costs_ms": costs, "dnll": round(dnll, 4)}
+        logger.info("compute path %s: dnll %+.4f, ms by tokens fed %s (%.1f s)", path, dnll, costs,
+                    time.perf_counter() - started)
+        del candidate
+    return found
+
+
+def select(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    precision: str,
+    *,
+    block_size: int,
+    table_dir: Path,
+) -> ComputePath:
+    """Measure (or read the cached table), put ``model`` on the chosen path in place, and say which.
+
+    ``model`` must be fp32 on a CPU. "auto" measures every path; a named path is measured
+    alone, for its curve and cap. The table is cached in ``table_dir``/TABLE_FILE.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear and module is not head:
-            module.__class__ = DualLayoutLinear
-            module.register_buffer("weight_t", module.weight.detach().t().contiguous(), persistent=False)
-            count += 1
-    return count
+    precision = check_precision(precision)
+    widths = range(1, 2 * max(block_size, 2) + 1)
+    paths = PATHS if precision == "auto" else (precision,)
+    key = table_key(model, widths)
+    table_path = table_dir / TABLE_FILE
+    entry = _read_table(table_path).get(key, {})
+    cached = all(p in entry for p in paths)
+    if not cached:
+        calibration = [tokenizer(t, return_tensors="pt").input_ids[:, :256] for t in calibration_texts()]
+        entry.update(_measure(model, tuple(p for p in paths if p not in entry), widths, calibration))
+        table = _read_table(table_path)
+        table[key] = entry
+        table_dir.mkdir(parents=True, exist_ok=True)
+        staging = table_path.with_name(table_path.name + f".tmp{os.getpid()}")
+        staging.write_text(json.dumps(table, indent=1) + "\n")
+        staging.replace(table_path)
+    chosen = choose({p: entry[p] for p in paths}) if precision == "auto" else precision
+    convert(model, chosen)
+    costs = {int(w): ms for w, ms in entry[chosen]["costs_ms"].items()}
+    return ComputePath(
+        path=chosen, requested=precision, costs_ms=costs, max_fed=cap_from_costs(costs), dnll=entry[chosen]["dnll"],
+        cpu=cpu_model(), threads=torch.get_num_threads(),
+        candidates={p: entry[p] for p in paths} if precision == "auto" else {}, cached=cached,
+    )
+

@@ -41,7 +41,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .kernels import install_dual_layout
+from .kernels import PRECISION_ENV, ComputePath, check_precision, select
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class LoadedModel:
     meta: MarsMeta
     name: str
     load_seconds: float = 0.0
+    compute: ComputePath | None = None  # the CPU compute path (kernels.py); None: weights as loaded
 
     @property
     def device(self) -> torch.device:
@@ -149,11 +150,24 @@ def merged_bundled_dir() -> Path:
     return cache_dir() / f"{BUNDLED}-{digest}"
 
 
-def pick_device(device: str | None = None) -> tuple[torch.device, torch.dtype]:
+def pick_device(device: str | None = None, precision: str | None = None) -> tuple[torch.device, torch.dtype]:
+    """The device, and the dtype to load in: fp32 on a CPU (kernels.py converts it), bf16 on a GPU unless fp32 is asked."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if dev.type == "cpu":
+        return dev, torch.float32
+    if precision == "int8":
+        raise ModelLoadError("precision int8 is a CPU path; on a GPU use auto, bf16 or fp32")
+    return dev, (torch.float32 if precision == "fp32" else torch.bfloat16)
+
+
+def default_precision() -> str:
+    """The decoding precision when none is given: MARS_DEMO_PRECISION, else auto."""
+    try:
+        return check_precision(os.environ.get(PRECISION_ENV) or "auto")
+    except ValueError as err:
+        raise ModelLoadError(f"{PRECISION_ENV}: {err}") from None
 
 
 def _config_dict(spec: str) -> dict:
@@ -266,16 +280,19 @@ def load_model(
     mask_token: str | None = None,
     device: str | None = None,
     trust_remote_code: bool = False,
-    fast_cpu: bool = False,
+    precision: str | None = None,
 ) -> LoadedModel:
     """Load a checkpoint spec (see the module docstring); ``None`` means the bundled default.
 
-    ``fast_cpu`` adds the CPU fast path of ``kernels.py`` (on a CPU, fp32): for a model
-    that is only decoded. Its weights must not change afterwards (no training, no merging).
+    ``precision`` (auto, fp32, bf16, int8) puts a CPU model on a measured compute path
+    (kernels.py) for decoding; its weights must not change afterwards (no training, no
+    merging). None loads plain fp32 on a CPU (training, data), bf16 on a GPU.
     """
     started = time.perf_counter()
     spec = spec or BUNDLED
-    dev, dtype = pick_device(device)
+    if precision is not None:
+        precision = check_precision(precision)
+    dev, dtype = pick_device(device, precision)
     adapter_dir: Path | None = None
     if spec == BUNDLED:
         base = BUNDLED_BASE
@@ -309,16 +326,19 @@ def load_model(
     if spec == BUNDLED or adapter_dir is not None:
         saved = {**saved, **MarsMeta.read(BUNDLED_ADAPTER if spec == BUNDLED else adapter_dir)}
     model.eval()
-    if fast_cpu and dev.type == "cpu" and dtype == torch.float32:
-        install_dual_layout(model)
     meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
+    compute = None
+    if precision is not None and dev.type == "cpu":
+        compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir())
+        model.mars_compute = compute  # read by config.resolve_max_fed
+        logger.info("compute path: %s", compute.summary())
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     seconds = time.perf_counter() - started
     logger.info("loaded %s in %.1f s (%s, %s)", spec, seconds, dev, dtype)
-    return LoadedModel(model=model, tokenizer=tokenizer, meta=meta, name=spec, load_seconds=seconds)
+    return LoadedModel(model=model, tokenizer=tokenizer, meta=meta, name=spec, load_seconds=seconds, compute=compute)
 
 
-def load_for_decoding(spec: str | None = None) -> LoadedModel:
-    """The app's loader: ``load_model`` with the CPU fast path (the app never changes weights)."""
-    return load_model(spec, fast_cpu=True)
+def load_for_decoding(spec: str | None = None, precision: str | None = None) -> LoadedModel:
+    """The app's loader: ``load_model`` on a compute path (default: MARS_DEMO_PRECISION, else auto)."""
+    return load_model(spec, precision=precision or default_precision())

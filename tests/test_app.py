@@ -12,7 +12,7 @@ import gradio as gr
 import pytest
 
 from mars_demo.config import DecodeConfig, resolve_max_fed
-from mars_demo.decoding import LiveTau, StepEvent, capped_width, generate
+from mars_demo.decoding import LiveTau, StepEvent, generate
 from mars_demo.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelCache, model_choices
@@ -118,12 +118,15 @@ def test_tau_set_mid_run_is_used_from_the_next_pass(handlers, full_window):
     mars = session.trace.mars
     assert mars[0].tau == 0.9
     assert all(s.tau == 0.0 for s in mars[1:])
-    # at tau = 0 every candidate a pass offers is accepted: whole blocks with the full window,
-    # else (on a CPU) as many as the default cap on the tokens fed leaves after the previous pass
-    cap = resolve_max_fed(DecodeConfig().max_fed, "cpu")
-    widths = [4 if full_window else capped_width(4, len(s.token_ids), cap) for s in mars[:-2]]
-    assert [len(s.token_ids) for s in mars[1:-1]] == widths
+    # at tau = 0 every candidate a pass offers is accepted: whole blocks. The tiny model has no
+    # measured compute path, so "auto" (the checkbox off) sets no cap either.
+    assert resolve_max_fed(DecodeConfig().max_fed, handlers_model(handlers)) is None
+    assert [len(s.token_ids) for s in mars[1:-1]] == [4] * (len(mars) - 2)
     assert session.trace.to_json()["sides"]["mars"]["passes"][1]["tau"] == 0.0
+
+
+def handlers_model(handlers):
+    return handlers.models._loader(BUNDLED).model
 
 
 def test_two_sessions_keep_their_own_tau(handlers):

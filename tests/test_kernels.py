@@ -1,51 +1,135 @@
-"""The CPU fast path (kernels.py): same numbers as nn.Linear, same state dict, decoding unchanged."""
+"""CPU compute paths (kernels.py): row-exact passes on bf16 and int8, the auto choice, the cached cost table."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from torch import nn
+from transformers import DynamicCache
 
 from conftest import PROMPTS, make_lm
-from mars_demo.config import DecodeConfig
+from mars_demo import kernels
+from mars_demo.cli import main
+from mars_demo.config import DecodeConfig, resolve_max_fed
+from mars_demo.data import prompt_ids
 from mars_demo.decoding import collect, generate
-from mars_demo.kernels import SMALL_ROWS, DualLayoutLinear, install_dual_layout
-from mars_demo.loading import load_model
+from mars_demo.kernels import Int8Linear, cap_from_costs, choose, convert, select
+from mars_demo.loading import ModelLoadError, default_precision
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_dual_layout_linear_equals_linear_for_every_row_count(bias):
-    torch.manual_seed(0)
-    plain = nn.Linear(24, 40, bias=bias)
-    model = nn.Sequential(nn.Linear(24, 40, bias=bias))
-    model[0].load_state_dict(plain.state_dict())
-    assert install_dual_layout(model) == 1 and isinstance(model[0], DualLayoutLinear)
-    for shape in [(1, 24), (SMALL_ROWS, 24), (SMALL_ROWS + 1, 24), (2, 7, 24), (3, 1, 24)]:
-        x = torch.randn(shape)
-        torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-5)
-    assert set(model.state_dict()) == {f"0.{k}" for k in plain.state_dict()}  # the copy is not saved
+def on_path(arch: str, path: str):
+    lm = make_lm(arch)
+    convert(lm.model, path)
+    return lm
 
 
-def test_gradients_still_reach_the_weight():
-    layer = nn.Sequential(nn.Linear(8, 8))
-    install_dual_layout(layer)
-    layer(torch.randn(6, 8)).sum().backward()  # 6 rows: the fast path's size, but a weight that wants a gradient
-    assert layer[0].weight.grad is not None and layer[0].weight.grad.abs().sum() > 0
+def first_row_logits(model, prompt: list[int], fed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the last prompt token's position fed alone, and fed with ``fed`` after it."""
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        alone = model(input_ids=torch.tensor([prompt[-1:]]), past_key_values=cache, use_cache=True).logits[0, 0]
+        cache.crop(-1)
+        wide = model(input_ids=torch.tensor([prompt[-1:] + fed]), past_key_values=cache, use_cache=True).logits[0, 0]
+    return alone, wide
 
 
-def test_installed_model_decodes_exactly_as_before_and_keeps_its_head():
-    plain, fast = make_lm("llama"), make_lm("llama")
-    count = install_dual_layout(fast.model)
-    assert count == sum(type(m) is nn.Linear for m in plain.model.modules()) - 1  # every projection but the LM head
-    assert type(fast.model.get_output_embeddings()) is nn.Linear
-    for tau in (1.0, 0.5):
-        config = DecodeConfig(tau=tau, max_new_tokens=20)
-        assert collect(generate(fast, PROMPTS[0], config)).token_ids == collect(generate(plain, PROMPTS[0], config)).token_ids
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("path", ["bf16", "int8"])
+def test_a_rows_logits_do_not_depend_on_the_rows_after_it(arch, path):
+    lm = on_path(arch, path)
+    prompt = lm.tokenizer(PROMPTS[0]).input_ids
+    mask = lm.meta.mask_token_id
+    for fed in ([mask], [mask] * 3, [5, 6, mask, mask, mask], [mask] * 7):
+        alone, wide = first_row_logits(lm.model, prompt, fed)
+        assert torch.equal(alone, wide), fed  # bit for bit, not only the argmax
 
 
-def test_load_model_installs_it_only_when_asked(model_dir):
-    def dual(lm):
-        return sum(isinstance(m, DualLayoutLinear) for m in lm.model.modules())
+@pytest.mark.parametrize("path", ["fp32", "bf16", "int8"])
+def test_mars_at_tau_one_and_teacher_forced_wide_passes_equal_ar_on_every_path(tiny_lm, path):
+    lm = on_path("llama" if tiny_lm.model.config.model_type == "llama" else "qwen2", path)
+    for prompt in PROMPTS:
+        ar = collect(generate(lm, prompt, DecodeConfig(mode="ar", max_new_tokens=24)))
+        mars = collect(generate(lm, prompt, DecodeConfig(tau=1.0, max_new_tokens=24)))
+        assert mars.token_ids == ar.token_ids
+        # the AR tokens fed in one wide pass: every position's argmax is the next AR token
+        ids = prompt_ids(lm.tokenizer, prompt)
+        with torch.inference_mode():
+            cache = DynamicCache(config=lm.model.config)
+            lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            fed = ar.token_ids[:8]
+            wide = lm.model(input_ids=torch.tensor([fed]), past_key_values=cache, use_cache=True).logits[0]
+        assert wide[:-1].argmax(-1).tolist() == ar.token_ids[1:8]
 
-    assert dual(load_model(model_dir)) == 0
-    assert dual(load_model(model_dir, fast_cpu=True)) > 0
+
+def test_cap_is_the_widest_pass_within_the_share():
+    assert cap_from_costs({1: 30, 2: 33, 3: 34, 4: 40, 5: 34.4, 6: 60}) == 5
+    assert cap_from_costs({1: 30, 2: 40, 3: 50}) == 2  # never below one token and one mask
+    assert cap_from_costs({1: 10, 2: 11, 3: 11.6}, share=1.15) == 2
+
+
+def test_auto_picks_the_fastest_path_that_keeps_quality():
+    table = {
+        "fp32": {"costs_ms": {1: 60, 4: 100}, "dnll": 0.0},
+        "bf16": {"costs_ms": {1: 30, 4: 80}, "dnll": 0.01},
+        "int8": {"costs_ms": {1: 20, 4: 40}, "dnll": 0.05},  # fastest, but too far from fp32
+    }
+    assert choose(table) == "bf16"
+    table["int8"]["dnll"] = 0.02
+    assert choose(table) == "int8"
+    table["bf16"]["costs_ms"] = {1: 20.4, 4: 30}  # within 3% at one token: the flatter curve wins
+    assert choose(table) == "bf16"
+    assert choose({"fp32": {"costs_ms": {"1": 9, "4": 9}, "dnll": 0.0}}) == "fp32"  # JSON keys are strings
+
+
+def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, monkeypatch):
+    calls = []
+    real = kernels.pass_costs
+
+    def counting(model, widths, **kwargs):
+        calls.append(widths)
+        return real(model, widths, reps=1)
+
+    monkeypatch.setattr(kernels, "pass_costs", counting)
+    lm = make_lm("llama")
+    first = select(lm.model, lm.tokenizer, "auto", block_size=4, table_dir=tmp_path)
+    assert len(calls) == 3 and not first.cached and first.path in kernels.PATHS
+    assert first.max_fed == cap_from_costs(first.costs_ms) and set(first.candidates) == set(kernels.PATHS)
+    table = json.loads((tmp_path / kernels.TABLE_FILE).read_text())
+    assert len(table) == 1 and "threads=" in next(iter(table))
+
+    again = make_lm("llama")
+    second = select(again.model, again.tokenizer, "auto", block_size=4, table_dir=tmp_path)
+    assert len(calls) == 3 and second.cached and second.path == first.path  # nothing measured
+
+    monkeypatch.setattr(kernels, "cpu_model", lambda: "another CPU")
+    third = make_lm("llama")
+    select(third.model, third.tokenizer, "auto", block_size=4, table_dir=tmp_path)
+    assert len(calls) == 6 and len(json.loads((tmp_path / kernels.TABLE_FILE).read_text())) == 2
+
+
+def test_a_named_path_is_applied_and_measured_alone(tmp_path):
+    lm = make_lm("qwen2")
+    compute = select(lm.model, lm.tokenizer, "int8", block_size=4, table_dir=tmp_path)
+    assert compute.path == "int8" and compute.candidates == {}
+    assert any(isinstance(m, Int8Linear) for m in lm.model.modules())
+    lm.model.mars_compute = compute
+    assert resolve_max_fed("auto", lm.model) == compute.max_fed
+    assert resolve_max_fed(5, lm.model) == 5
+    assert resolve_max_fed("auto", make_lm("qwen2").model) is None  # nothing measured: the paper's window
+
+
+def test_bad_precision_is_one_line_and_exit_2(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--precision", "int4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "precision" in err
+    monkeypatch.setenv(kernels.PRECISION_ENV, "fp16")
+    with pytest.raises(ModelLoadError, match="MARS_DEMO_PRECISION"):
+        default_precision()
+    monkeypatch.setenv(kernels.PRECISION_ENV, "int8")
+    assert default_precision() == "int8"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        kernels.check_precision("fast")

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from ..bench import METHODS, BenchConfig, run_benchmark
-from ..cli import UserError, add_max_fed_argument, add_model_argument, max_fed_text
+from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, max_fed_text
 from ..data import read_prompts
-from ..loading import load_model
+from ..loading import default_precision, load_model
 
 HELP = "benchmark HF generate, our AR, MARS, batch decoding and prompt lookup: speed and quality"
 DEFAULTS = BenchConfig()
@@ -35,10 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     add_max_fed_argument(parser)
-    parser.add_argument(
-        "--no-fast-cpu", action="store_true",
-        help="load plain transformers modules, without the CPU fast path of mars_demo/kernels.py (for a stock comparison)",
-    )
+    add_precision_argument(parser)
 
 
 def parse_config(args: argparse.Namespace) -> BenchConfig:
@@ -65,9 +62,7 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
              "--taus", ",".join(f"{t:g}" for t in config.taus), "--batch-sizes", ",".join(map(str, config.batch_sizes)),
              "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods),
              "--max-fed", max_fed_text(config.max_fed), "--out", str(args.out)]
-    if args.no_fast_cpu:
-        parts.append("--no-fast-cpu")
-    for flag, value in (("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):
+    for flag, value in (("--precision", args.precision),("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):
         if value is not None:
             parts += [flag, str(value)]
     return shlex.join(parts)
@@ -90,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, block_size=args.block_size, device=args.device, fast_cpu=not args.no_fast_cpu)
+    lm = load_model(args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision())
     report = run_benchmark(lm, prompts, config)
     report = {"command": command_line(args, config), "argv": sys.argv, **report}
     html_path = write_report(report, args.out)

@@ -10,10 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli import UserError, add_max_fed_argument, add_model_argument
+from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument
 from ..data import read_prompts
 from ..evaluation import DEFAULT_TAUS, EvalConfig, evaluate
-from ..loading import BUNDLED_BASE, load_model
+from ..loading import BUNDLED_BASE, default_precision, load_model
 
 HELP = "evaluate MARS speed and quality per tau against tau = 1.0, the AR decoder and the base model"
 DEFAULTS = EvalConfig()
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the full report here as JSON")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up decodes (timings then include it)")
     add_max_fed_argument(parser)
+    add_precision_argument(parser)
 
 
 def parse_taus(text: str) -> tuple[float, ...]:
@@ -104,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"no prompts in {args.prompts}")
     if any(not p.strip() for p in prompts):
         raise UserError("a prompt is empty")
-    lm = load_model(args.model, block_size=args.block_size, fast_cpu=True)
-    base = lm if args.base == args.model else load_model(args.base, fast_cpu=True)
+    lm = load_model(args.model, block_size=args.block_size, precision=args.precision or default_precision())
+    base = lm if args.base == args.model else load_model(args.base)  # the scorer: plain fp32 weights
     report = evaluate(lm, base, prompts, config)
     print(table(report), flush=True)
     if args.out is not None:

@@ -7,11 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli import UserError, add_max_fed_argument, add_model_argument
+from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument
 from ..config import METRICS, MODES, DecodeConfig
 from ..data import read_prompts
 from ..decoding import Generation, collect, generate
-from ..loading import load_model
+from ..kernels import ComputePath
+from ..loading import default_precision, load_model
 
 HELP = "generate text with MARS (or the AR baseline) and show what each forward pass accepted"
 DEFAULTS = DecodeConfig()
@@ -34,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code to run")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     add_max_fed_argument(parser)
+    add_precision_argument(parser)
 
 
-def record(prompt: str, result: Generation, model: str) -> dict:
+def record(prompt: str, result: Generation, model: str, compute: ComputePath | None = None) -> dict:
     stats = result.stats
     return {
         "prompt": prompt,
@@ -52,6 +54,7 @@ def record(prompt: str, result: Generation, model: str) -> dict:
         "seconds": round(stats.seconds, 6),
         "finish_reason": stats.finish_reason,
         "model": model,
+        "compute_path": compute.record() if compute is not None else None,
     }
 
 
@@ -73,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("the prompt is empty")
     lm = load_model(
         args.model, block_size=args.block_size, mask_token=args.mask_token,
-        trust_remote_code=args.trust_remote_code, fast_cpu=True,
+        trust_remote_code=args.trust_remote_code, precision=args.precision or default_precision(),
     )
     for prompt in prompts:
         result = collect(generate(lm, prompt, config))
         if args.json:
-            print(json.dumps(record(prompt, result, lm.name), ensure_ascii=False), flush=True)
+            print(json.dumps(record(prompt, result, lm.name, lm.compute), ensure_ascii=False), flush=True)
         else:
             print(result.text, flush=True)
             if len(prompts) > 1:

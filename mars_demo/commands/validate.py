@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..cli import UserError, add_model_argument
+from ..cli import UserError, add_model_argument, add_precision_argument
 from ..config import check_tau
 from ..loading import load_model
 from ..training import TrainConfig, validate
@@ -28,6 +28,7 @@ HELP = "teacher-forced held-out losses, agreement with the data and accepted tok
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
+    add_precision_argument(parser)
     parser.add_argument(
         "--data", type=Path, required=True,
         help="distilled JSONL of held-out prompts (e.g. assets/data/heldout_val64.jsonl)",
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     examples = read_distilled(args.data, TrainConfig().max_response_tokens, 0, args.rows)
     if not examples:
         raise UserError(f"no usable rows in {args.data}")
-    lm = load_model(args.model, block_size=args.block_size)
+    lm = load_model(args.model, block_size=args.block_size, precision=args.precision)
     pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     block = lm.meta.block_size
     results = validate(lm.model, examples, lm.meta.mask_token_id, pad_id, block, taus=taus, batch_size=args.batch_size)
