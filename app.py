@@ -11,7 +11,8 @@ default 1: on a small CPU, one race at a time keeps its timings honest), MARS_DE
 (models kept in memory, default 1), MARS_DEMO_EXTRA_MODELS (more specs for the picker,
 comma-separated), MARS_DEMO_ANY_MODEL (accept typed local paths and hub ids: default on
 locally, off on a Space or when GRADIO_SERVER_NAME is not a local address),
-MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_AGE (the bound on trace files: count and seconds).
+MARS_DEMO_TRACE_DIR (the trace folder), MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_AGE (the
+bound on trace files: count and seconds).
 
 Gradio deep-copies the component config on every page load, so nothing in it may reach
 the model: the state's delete callback and the unload handler are plain functions that
@@ -71,9 +72,9 @@ def _slider(name: str, label: str, value, info: str | None = None, **kwargs) -> 
 
 
 def trace_store(directory: str | Path | None = None) -> TraceStore:
-    """The trace folder, bounded by MARS_DEMO_TRACE_FILES (files) and MARS_DEMO_TRACE_AGE (seconds)."""
+    """The trace folder (MARS_DEMO_TRACE_DIR), bounded by MARS_DEMO_TRACE_FILES (files) and MARS_DEMO_TRACE_AGE (seconds)."""
     return TraceStore(
-        directory or Path(tempfile.gettempdir()) / f"mars_demo_traces-{os.getpid()}",
+        directory or os.environ.get("MARS_DEMO_TRACE_DIR") or Path(tempfile.gettempdir()) / "mars_demo_traces",
         max_files=int(os.environ.get("MARS_DEMO_TRACE_FILES", "200")),
         max_age=float(os.environ.get("MARS_DEMO_TRACE_AGE", "1800")),
     )

@@ -11,7 +11,6 @@ import gc
 import json
 import os
 import socket
-import threading
 import time
 import types
 from types import SimpleNamespace

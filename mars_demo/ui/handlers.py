@@ -53,7 +53,8 @@ def empty_figures() -> tuple:
     )
 
 
-BUSY = "Another model is in use by other visitors' runs right now: try again once they finish, or keep the model that is loaded."
+BUSY = ("Another model is in use by other visitors' runs right now: "
+        "try again once they finish, or keep the model that is loaded.")
 
 
 class DemoHandlers:

@@ -81,7 +81,8 @@ class ModelPolicy:
     def refusal(self) -> str:
         """The one message for a spec that is refused or fails to load: it says nothing about the spec."""
         if self.free:
-            return "Could not load that model (the server log says why). Pick one from the list, or type another local path or hub id."
+            return ("Could not load that model (the server log says why). "
+                    "Pick one from the list, or type another local path or hub id.")
         return "This server serves only the models in the list: pick one of them."
 
     def check(self, spec: str | None) -> str:
