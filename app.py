@@ -115,6 +115,8 @@ def build_demo(
         session = gr.State(lambda: Session(), delete_callback=forget_session)
 
         with gr.Sidebar(label="Settings", width=340):
+            # Custom values always reach the handlers, so the policy refuses them with its one message
+            # (Gradio's own choice check would echo the value and list every choice).
             model = gr.Dropdown(
                 choices=list(policy.choices), value=BUNDLED, allow_custom_value=True, label="Model",
                 info="Pick one, or type a local path or hub id." if policy.free else "Pick one.", elem_id="model",
