@@ -55,7 +55,8 @@ class Server:
 
     def __init__(self, app_dir: Path, env: dict, sample: float, max_rss: float, log: Path) -> None:
         self.port = free_port()
-        self.traces = Path(tempfile.mkdtemp(prefix="mars-soak-traces-"))
+        self.scratch = Path(tempfile.mkdtemp(prefix="mars-soak-"))  # traces and downloads, removed at the end
+        self.traces = self.scratch / "traces"
         self.url = f"http://127.0.0.1:{self.port}/"
         env = {**os.environ, **env, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(self.port),
                "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
@@ -106,7 +107,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
-        shutil.rmtree(self.traces, ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def timed_get(url: str, timeout: float = 120) -> float:
@@ -177,7 +178,7 @@ class Soak:
         self.problems: list[str] = []
         self.trace_files: list[tuple[float, int]] = []
         self.deadline = time.monotonic() + args.minutes * 60
-        self.downloads = Path(tempfile.mkdtemp(prefix="mars-soak-"))
+        self.downloads = server.scratch / "downloads"
 
     def more(self) -> bool:
         with self.lock:
