@@ -6,9 +6,17 @@ Face Space. ``build_demo`` builds the UI around an injectable model loader; the
 module-level ``demo`` loads no model at import time: the first page load (or run)
 loads the default into the shared cache.
 
-Environment: MARS_DEMO_CONCURRENCY (decoding runs at once, default 1: on a small
-CPU, one race at a time keeps its timings honest), MARS_DEMO_MODELS (models kept in
-memory, default 1).
+Environment (README "Hosting" says more): MARS_DEMO_CONCURRENCY (decoding runs at once,
+default 1: on a small CPU, one race at a time keeps its timings honest), MARS_DEMO_MODELS
+(models kept in memory, default 1), MARS_DEMO_EXTRA_MODELS (more specs for the picker,
+comma-separated), MARS_DEMO_ANY_MODEL (accept typed local paths and hub ids: default on
+locally, off on a Space or when GRADIO_SERVER_NAME is not a local address),
+MARS_DEMO_TRACE_DIR (the trace folder), MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_AGE (the
+bound on trace files: count and seconds).
+
+Gradio deep-copies the component config on every page load, so nothing in it may reach
+the model: the state's delete callback and the unload handler are plain functions that
+reach only the TraceStore.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 import gradio as gr
 
@@ -25,8 +36,9 @@ from mars_demo.config import METRICS, RANGES, DecodeConfig
 from mars_demo.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import SWEEP_COLUMNS, DemoHandlers, empty_figures
-from mars_demo.ui.models import Loader, model_choices
+from mars_demo.ui.models import Loader, ModelPolicy
 from mars_demo.ui.race import Session
+from mars_demo.ui.traces import TraceStore, stem
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
 
 DEFAULTS = DecodeConfig()
@@ -59,20 +71,55 @@ def _slider(name: str, label: str, value, info: str | None = None, **kwargs) -> 
     return gr.Slider(minimum=low, maximum=high, step=step, value=value, label=label, info=info, **kwargs)
 
 
-def build_demo(loader: Loader = load_for_decoding, *, concurrency: int | None = None, models_in_memory: int | None = None) -> gr.Blocks:
+def trace_store(directory: str | Path | None = None) -> TraceStore:
+    """The trace folder (MARS_DEMO_TRACE_DIR), bounded by MARS_DEMO_TRACE_FILES (files) and MARS_DEMO_TRACE_AGE (seconds)."""
+    return TraceStore(
+        directory or os.environ.get("MARS_DEMO_TRACE_DIR") or Path(tempfile.gettempdir()) / "mars_demo_traces",
+        max_files=int(os.environ.get("MARS_DEMO_TRACE_FILES", "200")),
+        max_age=float(os.environ.get("MARS_DEMO_TRACE_AGE", "1800")),
+    )
+
+
+def session_cleanup(traces: TraceStore) -> tuple[Callable, Callable]:
+    """(gr.State delete callback, unload handler): plain functions that reach the traces, never the model."""
+
+    def forget_session(session: Session) -> None:
+        traces.forget(stem(session.id))
+
+    def forget_tab(request: gr.Request) -> None:
+        traces.forget_owner(request.session_hash)
+
+    return forget_session, forget_tab
+
+
+def build_demo(
+    loader: Loader = load_for_decoding,
+    *,
+    concurrency: int | None = None,
+    models_in_memory: int | None = None,
+    policy: ModelPolicy | None = None,
+    traces: TraceStore | None = None,
+) -> gr.Blocks:
     """The whole app; ``loader(spec) -> LoadedModel`` is called lazily, never while building."""
     concurrency = concurrency or int(os.environ.get("MARS_DEMO_CONCURRENCY", "1"))
     capacity = models_in_memory or int(os.environ.get("MARS_DEMO_MODELS", "1"))
-    handlers = DemoHandlers(loader, capacity=capacity)
+    policy = policy or ModelPolicy.from_env()
+    traces = traces or trace_store()
+    traces.directory.mkdir(parents=True, exist_ok=True)
+    gr.set_static_paths([traces.directory])  # served in place: a removed trace's URL goes with it
+    handlers = DemoHandlers(loader, capacity=capacity, policy=policy, traces=traces)
+    forget_session, forget_tab = session_cleanup(traces)
 
     with gr.Blocks(title="MARS · multi-token generation", fill_width=True, delete_cache=(3600, 3600)) as demo:
         # A new Session (its own LiveTau) per browser session; its trace files go when the tab closes.
-        session = gr.State(lambda: Session(), delete_callback=handlers.forget)
+        session = gr.State(lambda: Session(), delete_callback=forget_session)
 
         with gr.Sidebar(label="Settings", width=340):
+            # Custom values always reach the handlers, so the policy refuses them with its one message
+            # (Gradio's own choice check would echo the value and list every choice).
             model = gr.Dropdown(
-                choices=model_choices(), value=BUNDLED, allow_custom_value=True, label="Model",
-                info="Pick one, or type a local path or hub id.", elem_id="model",
+                choices=list(policy.choices), value=BUNDLED, allow_custom_value=True, label="Model",
+                info="Pick one, or type a local path or hub id." if policy.free else "Pick one.", elem_id="model",
             )
             model_line = gr.HTML(css_template=STATUS_CSS, js_on_load=None, elem_id="model-status")
             tau = _slider(
@@ -163,6 +210,7 @@ def build_demo(loader: Loader = load_for_decoding, *, concurrency: int | None = 
             show_progress_on=[sweep_status],  # the frontier stays visible while it grows
         )
         sweep_stop.click(None, None, None, cancels=[sweep_event])
+        demo.unload(forget_tab)
 
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.handlers = handlers  # for tests and notebooks: the model cache and the handlers behind the UI

@@ -15,7 +15,7 @@ from mars_demo.config import DecodeConfig, resolve_max_fed
 from mars_demo.decoding import LiveTau, StepEvent, generate
 from mars_demo.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import DemoHandlers
-from mars_demo.ui.models import ModelCache, model_choices
+from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
 from mars_demo.ui.race import RaceTrace, Session, interleave
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 
@@ -35,7 +35,9 @@ def handlers(tiny_qwen, tmp_path):
             raise ModelLoadError(f"unknown model {spec!r}")
         return tiny_qwen
 
-    return DemoHandlers(loader, chart_every=60.0, trace_dir=tmp_path, stop_wait=1.0)  # charts: first and last yield
+    # free text on, so "bad..." specs reach the loader; charts: first and last yield
+    return DemoHandlers(loader, policy=ModelPolicy(tuple(model_choices(False)), free=True), chart_every=60.0,
+                        trace_dir=tmp_path, stop_wait=1.0)
 
 
 def start(handlers: DemoHandlers, session: Session, prompt: str = PROMPT, **changes):
@@ -166,7 +168,7 @@ def test_bad_input_gets_a_clear_message(handlers):
         next(start(handlers, Session(), prompt="   "))
     with pytest.raises(gr.Error, match="tau must be between"):
         next(start(handlers, Session(), tau=1.5))
-    with pytest.raises(gr.Error, match="Could not load model bad"):
+    with pytest.raises(gr.Error, match="Could not load that model"):
         next(start(handlers, Session(), spec="bad<b>model</b>"))
     long_prompt = "the sky is blue " * 400  # far past the tiny model's 512 positions
     with pytest.raises(gr.Error, match="context"):
@@ -175,8 +177,9 @@ def test_bad_input_gets_a_clear_message(handlers):
 
 def test_error_messages_are_escaped(handlers):
     with pytest.raises(gr.Error) as err:
-        next(start(handlers, Session(), spec="bad<img src=x onerror=alert(1)>"))
+        next(start(handlers, Session(), metric="<img src=x onerror=alert(1)>"))
     assert "<img" not in err.value.message and "&lt;img" in err.value.message
+    assert err.value.title == "Bad setting"
 
 
 def test_failed_load_keeps_the_previous_model(handlers):
@@ -187,7 +190,8 @@ def test_failed_load_keeps_the_previous_model(handlers):
     assert len(list(handlers.show_model(BUNDLED, session))) == 1  # cached: no "Loading" flash
     with pytest.warns(UserWarning, match="Still serving"):
         *_, (status, picker, block) = handlers.show_model("bad/<b>model</b>", session)
-    assert "Could not load" in status and "<b>model" not in status
+    assert "Could not load that model" in status and "bad/" not in status and "<b>" not in status  # never echoed
+    assert "Still serving smollm2-135m-mars." in status and ".." not in status
     assert picker["value"] == BUNDLED and is_skip(block)
     assert session.spec == BUNDLED
     assert handlers.models.loaded() == [BUNDLED]
@@ -208,8 +212,11 @@ def test_stop_shows_and_saves_the_partial_run(handlers):
     assert data["status"] == "stopped"
     assert len(data["sides"]["mars"]["passes"]) == 2 and len(data["sides"]["ar"]["passes"]) == 2
     assert all(is_skip(o) for o in handlers.stop(session))  # a second Stop does nothing
-    handlers.forget(session)  # the tab closed
-    assert not any(handlers.trace_dir.glob(f"*{session.id}*"))
+    import app
+
+    forget_session, _ = app.session_cleanup(handlers.traces)
+    forget_session(session)  # gr.State's delete callback
+    assert not any(handlers.traces.directory.glob(f"*{session.id}*"))
 
 
 def test_stop_during_a_pass_ends_the_run_without_another_yield(handlers):

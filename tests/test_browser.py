@@ -25,6 +25,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -80,12 +81,14 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``python app.py`` as a user runs it, listening where GRADIO_SERVER_* say."""
+    """``python app.py`` as a user runs it, listening where GRADIO_SERVER_* say; its URL and trace folder."""
     port = free_port()
     log = tmp_path_factory.mktemp("app") / "app.log"
+    traces = tmp_path_factory.mktemp("traces")
     env = {
         **os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
         "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
+        "MARS_DEMO_TRACE_DIR": str(traces),
     }
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(log, "w") as sink:
@@ -105,7 +108,7 @@ def server(tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"app.py did not answer on {url}:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
-        yield url
+        yield SimpleNamespace(url=url, traces=traces)
     finally:
         proc.terminate()
         try:
@@ -137,7 +140,7 @@ def test_tau_dragged_mid_run_changes_acceptance(browser, server, tmp_path):
     dialogs = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     try:
-        page.goto(server)
+        page.goto(server.url)
         page.wait_for_selector("#model-status .model-status.ok", timeout=90_000)
 
         tokens_box = page.locator("#max-new-tokens input[type=number]")
@@ -190,3 +193,39 @@ def test_tau_dragged_mid_run_changes_acceptance(browser, server, tmp_path):
         page.screenshot(path=str(screenshot))
     finally:
         page.close()
+
+
+def test_typed_path_is_refused_and_traces_go_with_the_tab(browser, server):
+    """A typed path gets the one refusal and the model keeps serving; the tab's trace files are
+    removed when it closes."""
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    try:
+        page.goto(server.url)
+        page.wait_for_selector("#model-status .model-status.ok", timeout=90_000)
+        page.fill("#model input", "/etc/passwd")
+        page.press("#model input", "Enter")
+        toast = page.locator("[data-testid=toast-body]").first
+        toast.wait_for(timeout=30_000)
+        # Gradio 6.31's toast header names the level ("Warning"), not the title; the API gets the title
+        assert "Could not load that model" in toast.inner_text() and "passwd" not in toast.inner_text()
+        assert ".." not in toast.inner_text()
+        # the picker goes back to the model in use, and the status line says it serves
+        page.wait_for_selector("#model-status .model-status.ok", timeout=30_000)
+        assert "Serving smollm2-135m-mars" in page.inner_text("#model-status")
+        assert page.input_value("#model input").startswith("smollm2-135m-mars")  # its label
+
+        tokens_box = page.locator("#max-new-tokens input[type=number]")
+        tokens_box.fill("8")
+        tokens_box.press("Enter")
+        page.fill("#prompt textarea", "Say hi.")
+        others = set(server.traces.glob("mars-trace-*"))
+        page.click("#run")
+        page.wait_for_function("!document.querySelector('#download-json').disabled", timeout=60_000)
+        mine = set(server.traces.glob("mars-trace-*")) - others
+        assert sorted(p.suffix for p in mine) == [".csv", ".json"]
+    finally:
+        page.close()  # the tab closes: the unload event removes its traces
+    deadline = time.monotonic() + 30
+    while any(p.exists() for p in mine) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(p.exists() for p in mine)

@@ -9,8 +9,11 @@ shows the final view, so no earlier pass can land on top of it. The session's
 LiveTau is the object the decoder reads before every pass; ``set_tau`` (the
 slider's change event, never queued behind a run) writes to it while the run goes.
 
-Messages shown with gr.Warning / gr.Error are rendered as HTML by Gradio, so every
-user- or model-supplied string in them is escaped.
+Toasts (gr.Warning / gr.Error) are built in ``messages.py``: plain text for API
+clients, escaped for the browser. Models go through the hosting policy and are held
+by a run for as long as it decodes (``models.py``); trace files live in a bounded
+``TraceStore`` (``traces.py``). The handlers object reaches the model, so nothing in
+the component config may reach it: the app hands Gradio only plain functions.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from html import escape
 from pathlib import Path
 
@@ -27,10 +31,12 @@ import gradio as gr
 from .. import charts
 from ..config import DecodeConfig
 from ..decoding import generate
-from ..loading import BUNDLED, LoadedModel, load_for_decoding
+from ..loading import load_for_decoding
 from ..sweep import frontier, plan, sweep_runs
-from .models import Loader, ModelCache, bundled_note
+from .messages import error, sentence, warning
+from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note
 from .race import RaceTrace, Session, interleave
+from .traces import TraceStore, stem
 from .render import ar_pane, mars_pane, model_message, model_status
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,10 @@ def empty_figures() -> tuple:
     )
 
 
+BUSY = ("Another model is in use by other visitors' runs right now: "
+        "try again once they finish, or keep the model that is loaded.")
+
+
 class DemoHandlers:
     """Handlers bound to one model cache; ``loader`` is injectable so tests use a tiny model."""
 
@@ -55,44 +65,54 @@ class DemoHandlers:
         loader: Loader = load_for_decoding,
         *,
         capacity: int = 1,
+        policy: ModelPolicy | None = None,
         chart_every: float = 1.0,
         trace_dir: str | Path | None = None,
+        traces: TraceStore | None = None,
         stop_wait: float = 10.0,
     ) -> None:
         self.models = ModelCache(loader, capacity)
+        self.policy = policy or ModelPolicy.from_env()
         self.chart_every = chart_every  # seconds between chart refreshes while a run streams
-        self.trace_dir = Path(trace_dir or Path(tempfile.gettempdir()) / "mars_demo_traces")
+        self.traces = traces or TraceStore(trace_dir or Path(tempfile.gettempdir()) / "mars_demo_traces")
         self.stop_wait = stop_wait  # most seconds Stop waits for the run to end (one forward pass)
 
     # -- model -----------------------------------------------------------------------------
-    def _model(self, spec: str | None) -> LoadedModel:
-        spec = (spec or BUNDLED).strip() or BUNDLED
-        try:
-            return self.models.get(spec)
-        except Exception as err:  # any failure to load is the user's to read, not a crash
-            logger.warning("cannot load %s: %s", spec, err)
-            raise gr.Error(escape(f"Could not load model {spec}: {err}"), title="Model not loaded") from None
+    def _refusal(self, spec: str | None, err: Exception) -> str:
+        """The message for a model that cannot be served; details go to the server log only."""
+        if isinstance(err, ModelBusy):
+            return BUSY
+        if not isinstance(err, ModelRefused):
+            logger.warning("cannot load %r: %s", spec, err)
+        return self.policy.refusal
 
-    def show_model(self, spec: str | None, session: Session) -> Iterator[tuple]:
+    def show_model(self, spec: str | None, session: Session, request: gr.Request = None) -> Iterator[tuple]:
         """Load the picked model (page load, picker change); on failure keep the previous one.
 
         Outputs: status line, model picker, block-size slider.
         """
-        spec = (spec or BUNDLED).strip() or BUNDLED
-        if spec not in self.models.loaded():
-            yield model_message(f"Loading {spec}… (a download or a first conversion can take a while)"), gr.skip(), gr.skip()
+        self.traces.prune()  # page loads also age out the traces of API sessions
         try:
+            spec = self.policy.check(spec)
+            if spec not in self.models.loaded():
+                yield model_message(f"Loading {spec}… (a download or a first conversion can take a while)"), gr.skip(), gr.skip()
             lm = self.models.get(spec)
-        except Exception as err:
-            logger.warning("cannot load %s: %s", spec, err)
-            keep = session.spec if session.spec != spec else BUNDLED
-            gr.Warning(escape(f"Could not load model {spec}: {err}. Still serving {keep}."), title="Model not loaded")
-            message = model_message(f"Could not load {spec}: {err} Still serving {keep}.", "error")
-            yield message, gr.update(value=keep), gr.skip()
+        except Exception as err:  # any failure to load is the visitor's to read, not a crash
+            text = self._refusal(spec, err)
+            keep = session.spec if session.spec != spec else self.policy.specs[0]
+            warning(sentence(text, f"Still serving {keep}"), "Model not loaded", request)
+            yield model_message(sentence(text, f"Still serving {keep}"), "error"), gr.update(value=keep), gr.skip()
             return
         session.spec = spec
         status = model_status(lm.name, lm.meta.block_size, lm.meta.mask_token, lm.load_seconds, bundled_note(spec))
         yield status, gr.skip(), gr.update(value=lm.meta.block_size)
+
+    def _hold(self, spec: str | None, stack: ExitStack, request: gr.Request | None):
+        """The model for a run, held (never dropped) until ``stack`` closes."""
+        try:
+            return stack.enter_context(self.models.hold(self.policy.check(spec)))
+        except Exception as err:
+            raise error(self._refusal(spec, err), "Model not loaded", request) from None
 
     # -- tau -------------------------------------------------------------------------------
     def set_tau(self, value: float, session: Session) -> None:
@@ -100,16 +120,17 @@ class DemoHandlers:
         session.tau.set(float(value))
 
     # -- the race --------------------------------------------------------------------------
-    def _config(self, tau, block_size, max_new_tokens, metric, temperature, full_window=False) -> DecodeConfig:
+    def _config(self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None) -> DecodeConfig:
         try:
             return DecodeConfig(
                 tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
                 metric=metric, temperature=float(temperature), max_fed=None if full_window else "auto",
             )
         except (TypeError, ValueError) as err:
-            raise gr.Error(escape(str(err)), title="Bad setting") from None
+            raise error(sentence(str(err)), "Bad setting", request) from None
 
-    def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session) -> tuple:
+    def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session,
+                 owner: str | None = None) -> tuple:
         """(MARS pane, AR pane, four figures, JSON and CSV download buttons); gr.skip() for what did not change."""
         mars, ar = trace.steps("mars"), trace.steps("ar")
         out: list = [gr.skip()] * 8
@@ -126,54 +147,57 @@ class DemoHandlers:
                 charts.summary_table(mars, ar),
             ]
         if files is True:
-            json_path, csv_path = trace.write(self.trace_dir, _stem(session))
+            json_path, csv_path = self.traces.write(trace, stem(session.id), owner)
             out[6:8] = [gr.update(value=str(json_path), interactive=True), gr.update(value=str(csv_path), interactive=True)]
         elif files is False:
             out[6:8] = [gr.update(value=None, interactive=False)] * 2
         return tuple(out)
 
     def run(
-        self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session
+        self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session,
+        request: gr.Request = None,
     ) -> Iterator[tuple]:
         """Race MARS against AR on one prompt, streaming every forward pass of both."""
         if not (prompt or "").strip():
-            raise gr.Error("Type a prompt first, or pick one of the examples.", title="Empty prompt")
-        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window)
-        lm = self._model(spec)
-        session.tau.set(config.tau)
-        try:  # a prompt longer than the model's context is refused here (or at the first pass)
-            mars = generate(lm, prompt, config, tau=session.tau)
-            ar = generate(lm, prompt, config.with_(mode="ar")) if with_ar else None
-        except ValueError as err:
-            raise _prompt_error(err) from None
-        trace = RaceTrace(prompt=prompt, model=lm.name, config=config, with_ar=bool(with_ar))
-        session.trace = trace
-        try:
-            yield self._outputs(trace, ("mars", "ar"), True, False, session)
-            charted = time.monotonic()
-            passes = interleave(mars, ar)
-            while trace.status == "running":
-                try:
-                    side, event = next(passes)  # one forward pass, of one side
-                except StopIteration:
-                    trace.status = "done"
-                    break
-                except ValueError as err:
-                    trace.status = "error"
-                    raise _prompt_error(err) from None
-                if trace.status != "running":
-                    break  # Stop came during this pass: its handler shows what was decoded
-                trace.add(side, event)
-                due = time.monotonic() - charted >= self.chart_every
-                if due:
-                    charted = time.monotonic()
-                yield self._outputs(trace, (side,), due, None, session)
-            if trace.status == "done":
-                yield self._outputs(trace, ("mars", "ar"), True, True, session)
-        finally:
-            trace.ended.set()  # also when Gradio cancels and closes this generator
+            raise error("Type a prompt first, or pick one of the examples.", "Empty prompt", request)
+        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, request)
+        owner = request.session_hash if request is not None else None
+        with ExitStack() as held:
+            lm = self._hold(spec, held, request)
+            session.tau.set(config.tau)
+            try:  # a prompt longer than the model's context is refused here (or at the first pass)
+                mars = generate(lm, prompt, config, tau=session.tau)
+                ar = generate(lm, prompt, config.with_(mode="ar")) if with_ar else None
+            except ValueError as err:
+                raise _prompt_error(err, request) from None
+            trace = RaceTrace(prompt=prompt, model=lm.name, config=config, with_ar=bool(with_ar))
+            session.trace = trace
+            try:
+                yield self._outputs(trace, ("mars", "ar"), True, False, session)
+                charted = time.monotonic()
+                passes = interleave(mars, ar)
+                while trace.status == "running":
+                    try:
+                        side, event = next(passes)  # one forward pass, of one side
+                    except StopIteration:
+                        trace.status = "done"
+                        break
+                    except ValueError as err:
+                        trace.status = "error"
+                        raise _prompt_error(err, request) from None
+                    if trace.status != "running":
+                        break  # Stop came during this pass: its handler shows what was decoded
+                    trace.add(side, event)
+                    due = time.monotonic() - charted >= self.chart_every
+                    if due:
+                        charted = time.monotonic()
+                    yield self._outputs(trace, (side,), due, None, session)
+                if trace.status == "done":
+                    yield self._outputs(trace, ("mars", "ar"), True, True, session, owner)
+            finally:
+                trace.ended.set()  # also when Gradio cancels and closes this generator
 
-    def stop(self, session: Session) -> tuple:
+    def stop(self, session: Session, request: gr.Request = None) -> tuple:
         """Stop's own handler; ``cancels=`` ends the run generator at its next pass.
 
         It waits until the generator has ended, so that no pass decoded before the stop
@@ -184,25 +208,24 @@ class DemoHandlers:
             return (gr.skip(),) * 8
         trace.status = "stopped"
         trace.ended.wait(timeout=self.stop_wait)
-        return self._outputs(trace, ("mars", "ar"), True, True, session)
-
-    def forget(self, session: Session) -> None:
-        """gr.State's delete callback: remove the session's trace files once its tab has closed."""
-        for suffix in (".json", ".csv"):
-            (self.trace_dir / f"{_stem(session)}{suffix}").unlink(missing_ok=True)
+        return self._outputs(trace, ("mars", "ar"), True, True, session, request.session_hash if request else None)
 
     # -- the sweep -------------------------------------------------------------------------
     def sweep(
-        self, prompts, taus, max_new_tokens, spec, block_size, metric, temperature, full_window=False, progress=gr.Progress()
+        self, prompts, taus, max_new_tokens, spec, block_size, metric, temperature, full_window=False,
+        request: gr.Request = None, progress=gr.Progress(),
     ) -> Iterator[tuple]:
         """Run the chosen prompts at each tau (and 1.0, and AR); yield after every run, the frontier after every prompt."""
         prompts = list(prompts or [])
         try:
             runs_planned = plan(prompts, [float(t) for t in taus or []])
         except ValueError as err:
-            raise gr.Error(escape(str(err)), title="Nothing to sweep") from None
-        config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window)
-        lm = self._model(spec)
+            raise error(sentence(str(err)), "Nothing to sweep", request) from None
+        config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window, request)
+        with ExitStack() as held:
+            yield from self._sweep(prompts, taus, config, runs_planned, self._hold(spec, held, request), progress)
+
+    def _sweep(self, prompts, taus, config, runs_planned, lm, progress) -> Iterator[tuple]:
         runs = []
         progress((0, len(runs_planned)), desc=_sweep_desc(runs_planned, 0, prompts))
         for i, run in enumerate(sweep_runs(lm, prompts, [float(t) for t in taus], config)):
@@ -220,12 +243,8 @@ class DemoHandlers:
                 yield status, gr.skip(), gr.skip()
 
 
-def _stem(session: Session) -> str:
-    return f"mars-trace-{session.id}"
-
-
-def _prompt_error(err: ValueError) -> gr.Error:
-    return gr.Error(escape(f"Cannot decode this prompt: {err}."), title="Prompt not accepted")
+def _prompt_error(err: ValueError, request: gr.Request | None) -> gr.Error:
+    return error(sentence(f"Cannot decode this prompt: {err}"), "Prompt not accepted", request)
 
 
 def _side_status(trace: RaceTrace, side: str) -> str:

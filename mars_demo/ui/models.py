@@ -1,10 +1,19 @@
-"""One model in memory, shared by every session of the app.
+"""Which models the app serves, and the models in memory, shared by every session.
 
-A small cache keyed by checkpoint spec, behind a lock: sessions asking for the
-model that is loaded share it, even while another spec loads; asking for another
-spec loads it (one load at a time) and only then drops the oldest, so a load that
-fails leaves the previous model serving. Decoding needs no lock: a forward pass does not change the model,
-and each generation keeps its own KV cache.
+``ModelPolicy`` is the hosting rule: a visitor picks one of the known models (the
+bundled default, its base, the released checkpoints, and what the operator lists in
+MARS_DEMO_EXTRA_MODELS); free text (a local path, any hub id) is accepted only when
+the operator turns it on (MARS_DEMO_ANY_MODEL; on by default for a local run, off
+on a Space or a server bound beyond localhost). A refused spec is refused before
+anything is opened, with one message whatever the spec is.
+
+``ModelCache`` keeps at most ``capacity`` models, keyed by spec, behind a lock.
+Sessions asking for a loaded model share it, even while another spec loads (one load
+at a time). A run holds its model (``hold``) for as long as it decodes; a model in
+use is never dropped: loading another spec drops the least recently used idle model,
+and when every slot is in use the load is refused (``ModelBusy``) instead. Decoding
+needs no lock: a forward pass does not change the model, and each generation keeps
+its own KV cache.
 """
 
 from __future__ import annotations
@@ -12,14 +21,76 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from ..loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
 
 logger = logging.getLogger(__name__)
 
 Loader = Callable[[str], LoadedModel]
+LOCAL_HOSTS = ("", "127.0.0.1", "localhost", "::1")
+
+
+class ModelRefused(ValueError):
+    """A spec outside the policy; the message is the same for every spec."""
+
+
+class ModelBusy(RuntimeError):
+    """Every model slot is in use by a run: loading another would drop a model someone is decoding with."""
+
+
+def is_online(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get("HF_HUB_OFFLINE", "0").lower() in ("0", "", "false", "no")
+
+
+def model_choices(online: bool | None = None, extra: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(label, spec) for the model picker: the bundled default first, the released checkpoints when online."""
+    if online is None:
+        online = is_online()
+    choices = [
+        (f"{BUNDLED} · bundled", BUNDLED),
+        (f"{BUNDLED_BASE} · base, no adapter", BUNDLED_BASE),
+    ]
+    if online:
+        choices += [(f"{spec} · hub{', large' if '-7B-' in spec else ''}", spec) for spec in RELEASED]
+    return choices + [(spec, spec) for spec in extra if spec not in {s for _, s in choices}]
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """The specs a visitor may load: ``choices`` always, anything else only when ``free``."""
+
+    choices: tuple[tuple[str, str], ...]
+    free: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> ModelPolicy:
+        extra = tuple(s.strip() for s in env.get("MARS_DEMO_EXTRA_MODELS", "").split(",") if s.strip())
+        hosted = bool(env.get("SPACE_ID")) or env.get("GRADIO_SERVER_NAME", "") not in LOCAL_HOSTS
+        free = env.get("MARS_DEMO_ANY_MODEL", "0" if hosted else "1").lower() in ("1", "true", "yes", "on")
+        return cls(tuple(model_choices(is_online(env), extra)), free)
+
+    @property
+    def specs(self) -> tuple[str, ...]:
+        return tuple(spec for _, spec in self.choices)
+
+    @property
+    def refusal(self) -> str:
+        """The one message for a spec that is refused or fails to load: it says nothing about the spec."""
+        if self.free:
+            return ("Could not load that model (the server log says why). "
+                    "Pick one from the list, or type another local path or hub id.")
+        return "This server serves only the models in the list: pick one of them."
+
+    def check(self, spec: str | None) -> str:
+        """The normalised spec, or ``ModelRefused``; nothing is opened to decide."""
+        spec = (spec or BUNDLED).strip() or BUNDLED
+        if spec in self.specs or (self.free and len(spec) <= 512 and "\x00" not in spec):
+            return spec
+        raise ModelRefused(self.refusal)
 
 
 class ModelCache:
@@ -29,51 +100,69 @@ class ModelCache:
         self._loader = loader
         self._capacity = capacity
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
-        self._lock = threading.Lock()  # guards the dict; held for moments only
+        self._users: Counter[str] = Counter()  # runs decoding with each spec right now
+        self._lock = threading.Lock()  # guards the dict and the counts; held for moments only
         self._loading = threading.Lock()  # one load at a time; a cached model is served meanwhile
 
-    def _cached(self, spec: str) -> LoadedModel | None:
+    def _cached(self, spec: str, use: bool) -> LoadedModel | None:
         with self._lock:
-            if spec in self._models:
-                self._models.move_to_end(spec)
-                return self._models[spec]
-            return None
+            if spec not in self._models:
+                return None
+            self._models.move_to_end(spec)
+            self._users[spec] += use
+            return self._models[spec]
 
-    def get(self, spec: str) -> LoadedModel:
-        """The model for ``spec``, loading it if needed; the loader's error propagates unchanged."""
+    def _idle(self) -> list[str]:
+        return [spec for spec in self._models if not self._users[spec]]  # oldest first
+
+    def get(self, spec: str, *, use: bool = False) -> LoadedModel:
+        """The model for ``spec``, loading it if needed (``use``: count one more user; see ``hold``).
+
+        Raises ``ModelBusy`` when the cache is full of models in use; the loader's error propagates.
+        """
         spec = spec.strip()
-        lm = self._cached(spec)
+        lm = self._cached(spec, use)
         if lm is not None:
             return lm
         with self._loading:
-            lm = self._cached(spec)  # another session may have loaded it while this one waited
+            lm = self._cached(spec, use)  # another session may have loaded it while this one waited
             if lm is not None:
                 return lm
+            with self._lock:
+                if len(self._models) >= self._capacity and not self._idle():
+                    raise ModelBusy("every model slot is in use by a run")
             logger.info("loading %s", spec)
             lm = self._loader(spec)
             with self._lock:
+                idle = self._idle()
+                while len(self._models) >= self._capacity and idle:
+                    dropped = idle.pop(0)
+                    del self._models[dropped]
+                    logger.info("dropped %s from memory (no run was using it)", dropped)
                 self._models[spec] = lm
-                while len(self._models) > self._capacity:
-                    dropped, _ = self._models.popitem(last=False)
-                    logger.info("dropped %s from memory", dropped)
+                self._users[spec] += use
             return lm
+
+    @contextmanager
+    def hold(self, spec: str) -> Iterator[LoadedModel]:
+        """The model for ``spec``, kept in memory until the block ends (a run's whole decoding)."""
+        spec = spec.strip()
+        lm = self.get(spec, use=True)
+        try:
+            yield lm
+        finally:
+            with self._lock:
+                self._users[spec] -= 1
+                if not self._users[spec]:
+                    del self._users[spec]
 
     def loaded(self) -> list[str]:
         with self._lock:
             return list(self._models)
 
-
-def model_choices(online: bool | None = None) -> list[tuple[str, str]]:
-    """(label, spec) for the model picker: the bundled default first, the released checkpoints when online."""
-    if online is None:
-        online = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("0", "", "false", "no")
-    choices = [
-        (f"{BUNDLED} · bundled", BUNDLED),
-        (f"{BUNDLED_BASE} · base, no adapter", BUNDLED_BASE),
-    ]
-    if online:
-        choices += [(f"{spec} · hub{', large' if '-7B-' in spec else ''}", spec) for spec in RELEASED]
-    return choices
+    def in_use(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._users)
 
 
 def bundled_note(spec: str) -> str:
