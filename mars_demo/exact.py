@@ -39,15 +39,17 @@ class Fed:
 
 
 def verify_window(
-    pending: list[int], drafts: list[int], lookahead: int, mask_id: int, cached: int, dtype: torch.dtype, device
+    pending: list[int], drafts: list[int], lookahead: int, mask_id: int, cached: int, dtype: torch.dtype, device,
+    fallback: bool = True,
 ) -> Fed:
     """[pending | drafts | L masks | L fallback masks]; no fallback group (and no custom mask) without drafts.
 
     The fallback masks take the positions right after the newest pending token and
-    attend to the cache, the pending tokens and each other only.
+    attend to the cache, the pending tokens and each other only. ``fallback=False``
+    is the simpler scheme that leaves the pass after a rejection without drafts.
     """
     k, d, L = len(pending), len(drafts), lookahead
-    g = L if d else 0
+    g = L if d and fallback else 0
     ids = torch.tensor([pending + drafts + [mask_id] * (L + g)], dtype=torch.long, device=device)
     keep = 1 + d + L + g
     if not g:
@@ -82,24 +84,25 @@ class Verdict:
 def verify(logits: torch.Tensor, drafts: list[int], lookahead: int, tau: float, metric: str) -> Verdict:
     """Greedy verification of ``drafts`` and the next drafts, from the logits (keep, vocab) of verify_window.
 
-    Rows: 0 the newest pending token, 1..d the drafts, then L main masks, then L
-    fallback masks (when d > 0). One host sync.
+    Rows: 0 the newest pending token, 1..d the drafts, then L main masks, then the
+    fallback masks (L or none). One host sync.
     """
     d, L = len(drafts), lookahead
+    g = logits.shape[0] - (1 + d + L)
     tokens, probs = choose(logits)  # (keep,), (keep, vocab)
     conf = confidence(probs, tokens, metric)  # (keep,)
     held = (tokens[:d] == torch.tensor(drafts, dtype=torch.long, device=tokens.device)).long().cumprod(0).sum()
     main = slice(d, d + 1 + L)  # the AR token after the last draft, then the main masks' guesses
     fallback = torch.cat([tokens[:1], tokens[d + 1 + L :]]), torch.cat([conf[:1], conf[d + 1 + L :]])
     n_main = accept_count(conf[main], tau, metric)
-    n_fallback = accept_count(fallback[1], tau, metric) if d else n_main
+    n_fallback = accept_count(fallback[1], tau, metric)
     packed = torch.cat([
         tokens.double(), conf.double(), fallback[0].double(), fallback[1].double(),
         torch.stack([held, n_main, n_fallback]).double(),
     ]).tolist()
     keep = tokens.shape[0]
     tok, cf = [int(t) for t in packed[:keep]], packed[keep : 2 * keep]
-    fb_tok, fb_cf = [int(t) for t in packed[2 * keep : 2 * keep + 1 + (L if d else 0)]], packed[2 * keep + 1 + (L if d else 0) : -3]
+    fb_tok, fb_cf = [int(t) for t in packed[2 * keep : 2 * keep + 1 + g]], packed[2 * keep + 1 + g : -3]
     a, n_main, n_fallback = (int(x) for x in packed[-3:])
     out_tokens, out_conf = drafts[:a], cf[:a]  # a draft's confidence: the AR probability that verified it
     origins = [DRAFT] * a

@@ -14,6 +14,7 @@ import torch
 
 from conftest import PROMPTS, make_lm
 from mars_demo import exact
+from mars_demo.batching import collect_batch, stream_batch
 from mars_demo.config import DecodeConfig
 from mars_demo.data import prompt_ids
 from mars_demo.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
@@ -166,3 +167,29 @@ def test_sampling_is_refused_with_a_clear_message():
     for mode in ("exact", "hybrid"):
         with pytest.raises(ValueError, match="temperature 0"):
             DecodeConfig(mode=mode, temperature=0.7)
+
+
+MIXED = [PROMPTS[0], " ".join(PROMPTS) * 2, PROMPTS[2], PROMPTS[3][:5]]  # very different lengths
+
+
+@pytest.mark.parametrize("block_size", BLOCKS)
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_every_batch_row_equals_that_row_alone(lm, block_size, tau):
+    """Token-level batch, verifying: each row keeps, rejects and re-drafts on its own, pass for pass."""
+    ids = [prompt_ids(lm.tokenizer, p) for p in MIXED]
+    mode = "exact" if tau == 1.0 else "hybrid"
+    config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=MAX_NEW)
+    batch = collect_batch(stream_batch(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4))
+    for r, row in enumerate(ids):
+        alone = collect(stream(lm.model, lm.tokenizer, row, config, mask_id=lm.meta.mask_token_id, block_size=4))
+        steps = [e.rows[r] for e in batch.events][: alone.stats.forward_passes]
+        assert [s.token_ids for s in steps] == [s.token_ids for s in alone.steps]
+        assert [s.origins for s in steps] == [s.origins for s in alone.steps]
+        assert batch.stats.rows[r].finish_reason == alone.stats.finish_reason
+    assert all(e.fed >= 1 for e in batch.events)
+
+
+def test_batch_exact_needs_the_token_scheme(tiny_llama):
+    ids = [prompt_ids(tiny_llama.tokenizer, p) for p in PROMPTS[:2]]
+    with pytest.raises(ValueError, match="token-level"):
+        stream_batch(tiny_llama.model, tiny_llama.tokenizer, ids, DecodeConfig(mode="exact"), mask_id=3, block_size=4, scheme="block")
