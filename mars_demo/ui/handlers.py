@@ -100,10 +100,10 @@ class DemoHandlers:
         session.tau.set(float(value))
 
     # -- the race --------------------------------------------------------------------------
-    def _config(self, tau, block_size, max_new_tokens, metric, temperature, full_window=False) -> DecodeConfig:
+    def _config(self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, mode="mars") -> DecodeConfig:
         try:
             return DecodeConfig(
-                tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
+                mode=mode, tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
                 metric=metric, temperature=float(temperature), max_fed=None if full_window else "auto",
             )
         except (TypeError, ValueError) as err:
@@ -114,7 +114,7 @@ class DemoHandlers:
         mars, ar = trace.steps("mars"), trace.steps("ar")
         out: list = [gr.skip()] * 8
         if "mars" in panes:
-            out[0] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"))
+            out[0] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"), trace.config.mode)
         if "ar" in panes:
             out[1] = ar_pane(ar, _side_status(trace, "ar"), trace.finish_reason("ar"))
         if charts_due:
@@ -133,12 +133,13 @@ class DemoHandlers:
         return tuple(out)
 
     def run(
-        self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session
+        self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session,
+        mode: str = "mars",
     ) -> Iterator[tuple]:
-        """Race MARS against AR on one prompt, streaming every forward pass of both."""
+        """Race MARS (or exact / hybrid mode) against AR on one prompt, streaming every forward pass of both."""
         if not (prompt or "").strip():
             raise gr.Error("Type a prompt first, or pick one of the examples.", title="Empty prompt")
-        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window)
+        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, mode)
         lm = self._model(spec)
         session.tau.set(config.tau)
         try:  # a prompt longer than the model's context is refused here (or at the first pass)
