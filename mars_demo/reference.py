@@ -43,15 +43,20 @@ def reference_decode(
         logits = model(input_ids=fed).logits[0, -window:]  # (window, vocab)
         tokens, probs = choose(logits)
         n = int(accept_count(confidence(probs, tokens, metric), tau, metric))
-        accepted = tokens[:n].tolist()[: max_new_tokens - len(generated)]
-        stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
-        if stop is not None:
-            accepted = accepted[: stop + 1]
-        generated += accepted
-        per_pass.append(len(accepted))
-        if stop is not None:
+        if _commit(tokens[:n].tolist(), generated, per_pass, max_new_tokens, stop_ids):
             break
     return generated, per_pass
+
+
+def _commit(accepted: list[int], generated: list[int], per_pass: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+    """Append one pass's tokens, cut at the token limit and the first stop token; True when decoding ends there."""
+    accepted = accepted[: max_new_tokens - len(generated)]
+    stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
+    if stop is not None:
+        accepted = accepted[: stop + 1]
+    generated += accepted
+    per_pass.append(len(accepted))
+    return stop is not None
 
 
 @torch.inference_mode()
@@ -96,14 +101,7 @@ def reference_exact(
             if a > 0:  # the AR token corrects draft a + 1; the fallback guesses past it are drafts
                 group, group_conf = [tokens[a]] + group[1 + a :], None
         n = int(accept_count(group_conf, tau, metric)) if group_conf is not None else 1
-        accepted += group[:n]
         drafts = group[n:]
-        accepted = accepted[: max_new_tokens - len(generated)]
-        stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
-        if stop is not None:
-            accepted = accepted[: stop + 1]
-        generated += accepted
-        per_pass.append(len(accepted))
-        if stop is not None:
+        if _commit(accepted + group[:n], generated, per_pass, max_new_tokens, stop_ids):
             break
     return generated, per_pass
