@@ -55,7 +55,7 @@ class DecodeConfig:
       CPU and None elsewhere. Candidates are a prefix of the B candidates, so a cap
       trades tokens per pass for cheaper passes; the acceptance rule is the same.
       Single-sequence "mars" only: batch passes are wide anyway, and a verifying pass
-      ("exact", "hybrid") feeds up to 3B - 2 tokens whatever the cap (its width is set
+      ("exact", "hybrid") feeds about 3B - 2 tokens whatever the cap (its width is set
       by the block size; docs/METHOD-exact.md has the measured trade).
     """
 

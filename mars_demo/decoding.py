@@ -4,7 +4,8 @@ One pass feeds [tokens accepted last pass | B-1 masks], reads B candidates (the
 last real token's output is the AR next-token distribution, mask j's output is
 the (j+1)-ahead guess), accepts the confident prefix, and crops the masks' entries
 off the cache. The AR baseline is the same loop with no masks, so both share the
-prefill, the cache type, the events and the timer.
+prefill, the cache type, the events and the timer. Exact and hybrid modes are the
+same loop with verifying passes (exact.py, docs/METHOD-exact.md).
 
 Decoders are generators that yield one StepEvent per forward pass; the last event
 carries the run's totals. tau is read from a live source before every pass.

@@ -16,8 +16,8 @@ decoding.decode_passes (reference.reference_decode without a cache).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
