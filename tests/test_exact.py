@@ -114,7 +114,8 @@ def test_stop_tokens_and_length_cut_inside_drafts(lm, block_size):
     every max_new_tokens cuts it where it cuts AR. A pass that is not cut ends with its AR
     token or a mask's, so a run whose last token is a draft was cut inside the drafts."""
     in_drafts = {"stop": 0, "length": 0}
-    for prompt in PROMPTS[:3]:
+    drafty = lm.model.lm_head.bias is not None
+    for prompt in PROMPTS[:3] if drafty else PROMPTS[:1]:  # a random model's masks rarely draft: one prompt will do
         full = ar_ids(lm, prompt)
         for token in dict.fromkeys(full):
             out = passes(lm, prompt, block_size, stop_ids={token})
@@ -125,7 +126,7 @@ def test_stop_tokens_and_length_cut_inside_drafts(lm, block_size):
             out = passes(lm, prompt, block_size, max_new=n, stop_ids=set())
             assert [t for p in out for t in p.tokens] == full[:n] and out[-1].finish == "length"
             in_drafts["length"] += out[-1].origins[-1] == exact.DRAFT
-    if lm.model.lm_head.bias is not None:
+    if drafty:
         assert in_drafts["stop"] > 0 and in_drafts["length"] > 0
 
 
