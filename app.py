@@ -122,6 +122,12 @@ def build_demo(
                 info="Pick one, or type a local path or hub id." if policy.free else "Pick one.", elem_id="model",
             )
             model_line = gr.HTML(css_template=STATUS_CSS, js_on_load=None, elem_id="model-status")
+            mode = gr.Radio(
+                [("MARS (confidence)", "mars"), ("Exact (verified)", "exact"), ("Hybrid", "hybrid")], value="mars",
+                label="Decoding", elem_id="mode",
+                info="Exact: the masks' guesses are drafts the next pass verifies, so the text is the AR "
+                "baseline's, in fewer passes (greedy only). Hybrid: confident guesses accepted, the rest verified.",
+            )
             tau = _slider(
                 "tau", "tau", DEFAULTS.tau,
                 "Acceptance threshold: lower accepts more tokens per pass. Drag it during a run.", elem_id="tau",
@@ -196,7 +202,7 @@ def build_demo(
         tau.change(handlers.set_tau, [tau, session], None, concurrency_limit=None, show_progress="hidden",
                    trigger_mode="always_last")
 
-        race_inputs = [prompt, *settings, session]
+        race_inputs = [prompt, *settings, session, mode]
         run_event = gr.on(
             [run_btn.click, prompt.submit], handlers.run, race_inputs, outputs,
             concurrency_limit=concurrency, concurrency_id="decode",

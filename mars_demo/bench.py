@@ -4,6 +4,8 @@ Runs (method, tau, batch size), each over all prompts:
   hf_generate       transformers ``generate``, greedy, KV cache: the reference AR (batch 1)
   ar                this project's AR decoder (decoding.stream, mode "ar")
   mars              MARS sliding window (decoding.stream) at each tau
+  mars_exact        exact mode (decoding.stream, mode "exact"): the masks draft, the next
+                    pass verifies; greedy AR's output in fewer passes (docs/METHOD-exact.md)
   prompt_lookup     transformers prompt-lookup decoding: the training-free peer (batch 1 only)
   ar_batch          transformers ``generate`` with left padding, at each batch size > 1
   ar_batch_ours     batching.token_passes with window 1: our batched greedy AR
@@ -49,7 +51,7 @@ from .loading import LoadedModel
 
 logger = logging.getLogger(__name__)
 
-SINGLE = ("hf_generate", "ar", "mars", "prompt_lookup")
+SINGLE = ("hf_generate", "ar", "mars", "mars_exact", "prompt_lookup")
 BATCHED = ("ar_batch", "ar_batch_ours", "mars_batch", "mars_batch_token")
 METHODS = SINGLE + BATCHED
 AR_METHODS = ("hf_generate", "ar", "ar_batch", "ar_batch_ours")
@@ -222,9 +224,9 @@ def run_job(
         return run_hf(lm, prompts, job.batch_size, max_new, tick)
     if job.method == "prompt_lookup":
         return run_hf(lm, prompts, 1, max_new, tick, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
-    mode = "ar" if job.method in AR_METHODS else "mars"
+    mode = "ar" if job.method in AR_METHODS else "exact" if job.method == "mars_exact" else "mars"
     decode = DecodeConfig(mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new, max_fed=config.max_fed)
-    if job.method in ("ar", "mars"):
+    if job.method in ("ar", "mars", "mars_exact"):
         return run_single(lm, prompts, decode, tick)
     return run_batch(lm, prompts, job.batch_size, decode, SCHEME[job.method], tick)
 

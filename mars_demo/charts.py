@@ -57,6 +57,15 @@ def summarize(steps: Sequence[StepEvent]) -> Summary:
     )
 
 
+def agreement_text(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None) -> str:
+    """How far the two outputs agree: common prefix / the longer output, in tokens ("—" without AR)."""
+    if ar is None:
+        return "—"
+    m, a = [t for s in mars for t in s.token_ids], [t for s in ar for t in s.token_ids]
+    common = next((i for i, (x, y) in enumerate(zip(m, a)) if x != y), min(len(m), len(a)))
+    return f"{common}/{max(len(m), len(a))}" + (" (identical)" if m == a and m else "")
+
+
 def speedup(mars: Summary, ar: Summary | None) -> float | None:
     """MARS tokens/s over AR tokens/s, or None while either side has no rate yet."""
     if ar is None or not ar.tokens_per_second or not mars.tokens_per_second:
@@ -180,6 +189,7 @@ def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = No
         ("time, own passes (s)", _fmt(m.seconds, ".2f"), _fmt(a and a.seconds, ".2f")),
         ("tokens / s", _fmt(m.tokens_per_second, ".1f"), _fmt(a and a.tokens_per_second, ".1f")),
         ("speedup over AR", _fmt(speedup(m, a), ".2f") + ("×" if speedup(m, a) else ""), "1.00×" if a else "—"),
+        ("same tokens as AR", agreement_text(mars, ar), "—"),
     ]
     labels, mars_col, ar_col = (list(col) for col in zip(*rows))
     fig = go.Figure(
@@ -191,12 +201,12 @@ def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = No
             },
             cells={
                 "values": [labels, mars_col, ar_col], "align": ["left", "center", "center"], "height": 30,
-                "fill_color": [["#f8fafc", "white"] * 3], "font": {"size": 13, "color": "#1f2937"},
+                "fill_color": [["#f8fafc", "white"] * 4], "font": {"size": 13, "color": "#1f2937"},
                 "line": {"color": "#e5e7eb"},
             },
         )
     )
-    return _style(fig, "Summary", height=320)
+    return _style(fig, "Summary", height=350)
 
 
 def frontier(points: Sequence[FrontierPoint]) -> go.Figure:

@@ -9,9 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-Mode = Literal["mars", "ar"]
+Mode = Literal["mars", "ar", "exact", "hybrid"]
 Metric = Literal["probability", "entropy", "margin"]
-MODES: tuple[str, ...] = ("mars", "ar")
+MODES: tuple[str, ...] = ("mars", "ar", "exact", "hybrid")
+# Modes whose unaccepted mask guesses become drafts that the next pass verifies (docs/METHOD-exact.md).
+VERIFYING_MODES: tuple[str, ...] = ("exact", "hybrid")
+EXACT_IS_GREEDY = (
+    "exact and hybrid modes verify drafts against the greedy AR token, so they need temperature 0 "
+    "(sampling would need speculative-sampling acceptance, which is not implemented)"
+)
 METRICS: tuple[str, ...] = ("probability", "entropy", "margin")
 
 # (minimum, maximum, step) for the numeric settings; the UI builds its sliders from these.
@@ -27,6 +33,10 @@ RANGES: dict[str, tuple[float, float, float]] = {
 class DecodeConfig:
     """How to decode one prompt.
 
+    mode: "mars" (accept confident candidates), "ar" (one token per pass), "exact" (the
+      masks' guesses are drafts the next pass verifies: greedy AR's output in fewer
+      passes; tau is not read) or "hybrid" (confident candidates accepted as in "mars",
+      the rest verified as in "exact"; tau = 1.0 is "exact"). See docs/METHOD-exact.md.
     tau: acceptance threshold read at the start of the run (a live source may change it
       between passes); 1.0 means one token per pass, whatever the metric.
     block_size: candidates per pass (B); None takes the checkpoint's.
@@ -40,7 +50,9 @@ class DecodeConfig:
       every pass, as the method describes; "auto" is the cap measured for the model's CPU
       compute path (kernels.py), else None. Candidates are a prefix of the B candidates,
       so a cap trades tokens per pass for cheaper passes; the acceptance rule is the same.
-      Single-sequence decoding only: batch passes are wide anyway.
+      Single-sequence "mars" only: batch passes are wide anyway, and a verifying pass
+      ("exact", "hybrid") feeds about 3B - 2 tokens whatever the cap (its width is set
+      by the block size; docs/METHOD-exact.md has the measured trade).
     """
 
     mode: Mode = "mars"
@@ -56,6 +68,8 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode in VERIFYING_MODES and self.temperature > 0:
+            raise ValueError(EXACT_IS_GREEDY)
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {self.metric!r}")
         check_tau(self.tau)

@@ -4,7 +4,8 @@ One pass feeds [tokens accepted last pass | B-1 masks], reads B candidates (the
 last real token's output is the AR next-token distribution, mask j's output is
 the (j+1)-ahead guess), accepts the confident prefix, and crops the masks' entries
 off the cache. The AR baseline is the same loop with no masks, so both share the
-prefill, the cache type, the events and the timer.
+prefill, the cache type, the events and the timer. Exact and hybrid modes are the
+same loop with verifying passes (exact.py, docs/METHOD-exact.md).
 
 Decoders are generators that yield one StepEvent per forward pass; the last event
 carries the run's totals. tau is read from a live source before every pass.
@@ -19,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from . import exact
 from .acceptance import accept_count, choose, confidence
-from .config import DecodeConfig, check_tau, resolve_max_fed
+from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .data import prompt_ids
 from .loading import LoadedModel
 
@@ -65,6 +67,7 @@ class StepEvent:
     tau: float
     seconds: float
     stats: RunStats | None = None  # totals, on the final event only
+    origins: tuple[str, ...] = ()  # per token: exact.AR, exact.DRAFT (verified) or exact.MASK (confidence)
 
     @property
     def text(self) -> str:
@@ -105,6 +108,8 @@ class _Pass:
     tau: float
     seconds: float
     finish: str | None
+    origins: list[str]
+    cached: int  # the cache's length after the pass: every committed token but those fed next pass
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -149,6 +154,20 @@ def accept_prefix(logits: torch.Tensor, tau: float, metric: str, temperature: fl
     return [int(t) for t in packed[:n]], packed[window : window + n]
 
 
+def lookahead(window: int, verifying: bool) -> int:
+    """Positions a pass may use past the newest committed token: B - 1 masks, or drafts + masks when verifying."""
+    return 2 * window - 1 if verifying else window
+
+
+def forward_fed(model: PreTrainedModel, cache: DynamicCache, fed: exact.Fed) -> torch.Tensor:
+    """One cached verifying pass; logits (keep, vocab)."""
+    out = model(
+        input_ids=fed.ids, attention_mask=fed.attention_mask, position_ids=fed.position_ids,
+        past_key_values=cache, use_cache=True, logits_to_keep=fed.keep,
+    )
+    return out.logits[0]
+
+
 @torch.inference_mode()
 def decode_passes(
     model: PreTrainedModel,
@@ -163,29 +182,47 @@ def decode_passes(
     stop_ids: set[int],
     seed: int | None = None,
     max_fed: int | None = None,
+    verifying: bool = False,
 ) -> Iterator[_Pass]:
     """The decoding loop in token space; ``window`` = 1 is plain AR decoding.
 
-    The cache and its committed length are local to this generator. ``max_fed``
-    caps the tokens fed after the prefill (see ``DecodeConfig``).
+    ``verifying``: the masks' guesses that tau does not accept become drafts that the
+    next pass verifies (exact.py; tau = 1.0 is lossless). The cache and its committed
+    length are local to this generator. ``max_fed`` caps the tokens fed after the
+    prefill of a non-verifying pass (see ``DecodeConfig``).
     """
-    check_prompt(model, len(prompt), window)
+    if verifying and temperature > 0:
+        raise ValueError(EXACT_IS_GREEDY)
+    check_prompt(model, len(prompt), lookahead(window, verifying))
     device = model.device
-    max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - window + 1)
+    max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - lookahead(window, verifying) + 1)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
-    pending = torch.tensor([prompt], dtype=torch.long, device=device)  # first pass is the prefill
+    pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
+    drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
     produced = 0
     while True:
         tau_now = tau.get()
-        # At tau = 1.0 only candidate 1 can be accepted: skip the masks and run a plain AR pass.
-        width = 1 if tau_now >= 1.0 else window
-        if width > 1 and max_fed is not None and produced:
-            width = capped_width(width, pending.shape[1], max_fed)
         started = time.perf_counter()
-        logits = forward_window(model, cache, torch.cat([pending, masks[:, : width - 1]], dim=1), width)
-        tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator)
+        if verifying:
+            fed = exact.verify_window(pending, drafts, window - 1, mask_id, cache.get_seq_length(), model.dtype, device)
+            verdict = exact.verify(forward_fed(model, cache, fed), drafts, window - 1, tau_now, metric)
+            tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
+            cache.crop(-(fed.width - len(pending) - verdict.cached))  # rejected drafts and both mask groups
+            pending = tokens[verdict.cached :]
+        else:
+            # At tau = 1.0 only candidate 1 can be accepted: skip the masks and run a plain AR pass.
+            width = 1 if tau_now >= 1.0 else window
+            if width > 1 and max_fed is not None and produced:
+                width = capped_width(width, len(pending), max_fed)
+            fed_ids = torch.tensor([pending], dtype=torch.long, device=device)
+            logits = forward_window(model, cache, torch.cat([fed_ids, masks[:, : width - 1]], dim=1), width)
+            tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator)
+            origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
+            if width > 1:
+                cache.crop(-(width - 1))  # drop the masks; accepted tokens are fed next pass
+            pending = tokens
         tokens = tokens[: max_new_tokens - produced]
         finish = None
         for i, token in enumerate(tokens):
@@ -195,10 +232,8 @@ def decode_passes(
         produced += len(tokens)
         if finish is None and produced >= max_new_tokens:
             finish = "length"
-        if width > 1:
-            cache.crop(-(width - 1))  # drop the masks; accepted tokens are fed next pass
-        pending = torch.tensor([tokens], dtype=torch.long, device=device)
-        yield _Pass(tokens, confs[: len(tokens)], tau_now, time.perf_counter() - started, finish)
+        seconds = time.perf_counter() - started
+        yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length())
         if finish:
             return
 
@@ -269,12 +304,15 @@ def stream(
     Raises ValueError at once (not at the first pass) for an empty or over-long prompt.
     """
     window = 1 if config.mode == "ar" else (config.block_size or block_size)
-    check_prompt(model, len(prompt), window)
+    verifying = config.mode in VERIFYING_MODES
+    check_prompt(model, len(prompt), lookahead(window, verifying))
+    if config.mode == "exact":
+        tau = LiveTau(1.0)  # lossless: only verified tokens are committed, whatever a live tau says
     passes = decode_passes(
         model, prompt, window=window, mask_id=mask_id, tau=tau or LiveTau(config.tau), metric=config.metric,
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), seed=config.seed,
-        max_fed=resolve_max_fed(config.max_fed, model),
+        max_fed=resolve_max_fed(config.max_fed, model), verifying=verifying,
     )
     return _events(passes, Detokenizer(tokenizer), config.stop)
 
@@ -302,6 +340,7 @@ def _events(passes: Iterator[_Pass], detok: Detokenizer, stops: tuple[str, ...])
             tau=step.tau,
             seconds=step.seconds,
             stats=stats,
+            origins=tuple(step.origins[: len(step.tokens)]),
         )
         if finish:
             return

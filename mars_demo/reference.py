@@ -43,12 +43,65 @@ def reference_decode(
         logits = model(input_ids=fed).logits[0, -window:]  # (window, vocab)
         tokens, probs = choose(logits)
         n = int(accept_count(confidence(probs, tokens, metric), tau, metric))
-        accepted = tokens[:n].tolist()[: max_new_tokens - len(generated)]
-        stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
-        if stop is not None:
-            accepted = accepted[: stop + 1]
-        generated += accepted
-        per_pass.append(len(accepted))
-        if stop is not None:
+        if _commit(tokens[:n].tolist(), generated, per_pass, max_new_tokens, stop_ids):
+            break
+    return generated, per_pass
+
+
+def _commit(accepted: list[int], generated: list[int], per_pass: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+    """Append one pass's tokens, cut at the token limit and the first stop token; True when decoding ends there."""
+    accepted = accepted[: max_new_tokens - len(generated)]
+    stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
+    if stop is not None:
+        accepted = accepted[: stop + 1]
+    generated += accepted
+    per_pass.append(len(accepted))
+    return stop is not None
+
+
+@torch.inference_mode()
+def reference_exact(
+    model: PreTrainedModel,
+    prompt: list[int],
+    *,
+    block_size: int,
+    mask_id: int,
+    tau: float,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    metric: str = "probability",
+) -> tuple[list[int], list[int]]:
+    """Greedy verifying decoding (exact / hybrid) without a cache or a 4-D mask.
+
+    Each pass runs the sequence + drafts + L masks, and (when there are drafts) the
+    sequence + L masks for the fallback guesses: two plain causal forwards where the
+    cached decoder runs one with a custom mask. Returns (generated ids, tokens per pass).
+    """
+    L = block_size - 1
+    generated: list[int] = []
+    drafts: list[int] = []
+    per_pass: list[int] = []
+
+    def candidates(ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -n:]  # (n, vocab)
+        tokens, probs = choose(logits)
+        return tokens.tolist(), confidence(probs, tokens, metric)
+
+    while len(generated) < max_new_tokens:
+        seq = prompt + generated
+        tokens, conf = candidates(seq + drafts + [mask_id] * L, 1 + len(drafts) + L)
+        a = 0
+        while a < len(drafts) and drafts[a] == tokens[a]:
+            a += 1
+        accepted = drafts[:a]
+        if a == len(drafts):  # every draft held: MARS acceptance on the window after the last one
+            group, group_conf = tokens[a:], conf[a:]
+        else:
+            group, group_conf = candidates(seq + [mask_id] * L, 1 + L)
+            if a > 0:  # the AR token corrects draft a + 1; the fallback guesses past it are drafts
+                group, group_conf = [tokens[a]] + group[1 + a :], None
+        n = int(accept_count(group_conf, tau, metric)) if group_conf is not None else 1
+        drafts = group[n:]
+        if _commit(accepted + group[:n], generated, per_pass, max_new_tokens, stop_ids):
             break
     return generated, per_pass

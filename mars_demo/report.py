@@ -13,6 +13,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from .bench import TAU_METHODS
+
 COLUMNS = (  # (key, header, format)
     ("method", "method", "{}"),
     ("tau", "tau", "{:.2f}"),
@@ -42,7 +44,7 @@ def format_table(runs: list[dict]) -> str:
 
 
 def _label(run: dict) -> str:
-    tau = "" if run["tau"] is None or run["method"] in ("hf_generate", "ar", "ar_batch", "ar_batch_ours") else f" tau={run['tau']:g}"
+    tau = "" if run["tau"] is None or run["method"] not in TAU_METHODS else f" tau={run['tau']:g}"
     return f"{run['method']}{tau} b={run['batch_size']}"
 
 
@@ -55,7 +57,7 @@ def speed_by_tau(runs: list[dict]) -> go.Figure:
     taus = sorted({r["tau"] for r in runs if r["tau"] is not None})
     for (method, batch), items in groups.items():
         name = f"{method} b={batch}"
-        if method.startswith("mars"):
+        if method in TAU_METHODS:
             items = sorted(items, key=lambda r: r["tau"])
             fig.add_trace(go.Scatter(x=[r["tau"] for r in items], y=[r["tokens_per_second"] for r in items], mode="lines+markers", name=name))
         elif taus:

@@ -320,3 +320,23 @@ def test_session_state_is_per_session():
     a, b = Session(), Session()
     assert isinstance(a.tau, LiveTau) and a.tau is not b.tau and a.id != b.id
     assert a.tau.get() == DecodeConfig().tau
+
+
+def test_exact_mode_races_ar_with_the_same_text_and_marks_verified_drafts(handlers):
+    session = Session()
+    s = SETTINGS
+    outputs = list(handlers.run(PROMPT, s["spec"], 1.0, s["block_size"], s["max_new_tokens"], s["metric"],
+                                0.0, s["full_window"], True, session, "exact"))
+    trace = session.trace
+    assert trace.config.mode == "exact"
+    assert [t for e in trace.mars for t in e.token_ids] == [t for e in trace.ar for t in e.token_ids]
+    assert "Exact (verified)" in outputs[-1][0]
+    summary = outputs[-1][5].data[0].cells.values
+    assert "(identical)" in summary[1][summary[0].index("same tokens as AR")]
+    evil = ("<script>", "x", '"y')
+    step = StepEvent(0, (1, 2, 3), evil, (0.9, 0.8, 0.7), 1.0, 0.01, None, ("draft", "draft", "ar"))
+    html = mars_pane([step], "running", None, "exact")
+    assert "<script" not in html and html.count('class="tok draft" data-tip') == 2
+    assert "draft verified by the AR head" in html and "the AR head&#x27;s token" in html
+    with pytest.raises(gr.Error, match="temperature 0"):
+        next(handlers.run(PROMPT, s["spec"], 1.0, s["block_size"], 8, s["metric"], 0.5, False, True, session, "exact"))

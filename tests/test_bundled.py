@@ -39,6 +39,14 @@ def test_bundled_tau_one_equals_greedy(bundled):
     assert ours.token_ids == out[0, ids.shape[1]:].tolist()
 
 
+def test_bundled_exact_mode_equals_ar_in_fewer_passes(bundled):
+    prompt = "List three facts about the moon."
+    ar = collect(generate(bundled, prompt, DecodeConfig(mode="ar", max_new_tokens=48)))
+    exact = collect(generate(bundled, prompt, DecodeConfig(mode="exact", max_new_tokens=48)))
+    assert exact.token_ids == ar.token_ids
+    assert exact.stats.forward_passes < ar.stats.forward_passes
+
+
 def test_merged_adapter_cache_equals_a_fresh_merge(bundled):
     from mars_demo.loading import BUNDLED_ADAPTER, _merge_adapter, merged_bundled_dir
 

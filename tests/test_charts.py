@@ -90,6 +90,9 @@ def test_summary_table_values():
     assert row["speedup over AR"] == ("2.00×", "1.00×")
     off = charts.summary_table(steps([2]), None).data[0].cells.values
     assert off[2][0] == "—" and off[1][-1] == "—"
+    assert row["same tokens as AR"] == ("4/4 (identical)", "—")  # steps() numbers tokens alike on both sides
+    assert charts.agreement_text(steps([2, 2]), steps([1, 1, 1])) == "3/4"
+    assert charts.agreement_text(steps([2]), None) == "—"
 
 
 def test_plan_always_includes_the_reference_and_ar():

@@ -37,6 +37,18 @@ def test_generate_max_fed_none_gives_the_full_window(model_dir, capsys):
     assert per_pass()[:3] == [4, 2, 2]
 
 
+def test_generate_exact_mode_prints_greedy_ar_and_the_origin_of_each_token(model_dir, capsys):
+    def run(*flags):
+        assert main(["generate", "--model", model_dir, "--prompt", "Count.", "--max-new-tokens", "12", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    ar, exact = run("--mode", "ar"), run("--mode", "exact")
+    assert exact["token_ids"] == ar["token_ids"]
+    assert all(len(s["origins"]) == len(s["tokens"]) and set(s["origins"]) <= {"ar", "draft"} for s in exact["steps"])
+    assert main(["generate", "--model", model_dir, "--prompt", "x", "--mode", "exact", "--temperature", "0.5"]) == 2
+    assert "temperature 0" in capsys.readouterr().err
+
+
 def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")

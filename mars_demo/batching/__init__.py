@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..config import DecodeConfig
+from ..config import VERIFYING_MODES, DecodeConfig
 from ..data import prompt_ids
 from ..decoding import LiveTau, eos_ids
 from ..loading import LoadedModel
@@ -54,13 +54,18 @@ def stream_batch(
     """Decode token-id ``prompts`` under ``config``, one BatchEvent per batched forward pass."""
     if config.stop:
         raise ValueError("stop strings are not supported in batch decoding")
+    verifying = {"verifying": True} if config.mode in VERIFYING_MODES else {}
+    if verifying and scheme != "token":
+        raise ValueError(f"{config.mode} mode runs on the token-level batch scheme only")
+    if config.mode == "exact":
+        tau = LiveTau(1.0)  # lossless, whatever a live tau says (decoding.stream)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return decode_batch(
         model, prompts, scheme=scheme,
         block_size=1 if config.mode == "ar" else (config.block_size or block_size),
         mask_id=mask_id, pad_id=pad_id, tau=tau or LiveTau(config.tau), metric=config.metric,
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-        stop_ids=eos_ids(model, tokenizer), seed=config.seed,
+        stop_ids=eos_ids(model, tokenizer), seed=config.seed, **verifying,
     )
 
 

@@ -22,6 +22,7 @@ class RowStep:
     token_ids: tuple[int, ...] = ()
     confidences: tuple[float, ...] = ()
     finish: str | None = None  # "eos" or "length" on the pass that ended the row
+    origins: tuple[str, ...] = ()  # per token, as decoding.StepEvent.origins
 
 
 @dataclass(frozen=True)

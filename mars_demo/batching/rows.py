@@ -69,6 +69,27 @@ class PaddedCache:
         )
         return out.logits
 
+    def forward_block(self, ids: torch.Tensor, positions: torch.Tensor, block: torch.Tensor, keep: int) -> torch.Tensor:
+        """Feed ids (rows, width) whose attention among themselves is ``block`` (rows, width, width; True = may
+        attend) and to the cache is the cache's own mask; logits (rows, keep, vocab) of the last ``keep`` columns.
+
+        Every new column joins the cache's mask as attended (1): crop what must not stay, or hide() it.
+        """
+        rows, width = ids.shape
+        dtype = self.model.dtype
+        allowed = torch.cat([self.attn.bool()[:, None, :].expand(rows, width, -1), block], dim=2)  # (rows, width, C + width)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        self.attn = torch.cat([self.attn, block.diagonal(dim1=1, dim2=2).long()], dim=1)
+        out = self.model(
+            input_ids=ids, attention_mask=mask[:, None], position_ids=positions,
+            past_key_values=self.cache, use_cache=True, logits_to_keep=keep,
+        )
+        return out.logits
+
+    def hide(self, row: int, start: int, stop: int) -> None:
+        """Turn one row's columns start..stop-1 into holes (a rejected draft that other rows' columns keep)."""
+        self.attn[row, start:stop] = 0
+
     def crop(self, columns: int) -> None:
         """Drop the last ``columns`` columns (masks, a re-fed block) from the cache and the mask."""
         if columns > 0:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
 
+from .. import exact
+from ..config import EXACT_IS_GREEDY
 from ..decoding import LiveTau
-from .events import BatchEvent
+from .events import BatchEvent, RowStep
 from .rows import PaddedCache, RowBook, Window, accept_rows, left_pad, limit_new_tokens
 
 
@@ -35,6 +38,47 @@ def slide(pending: list[list[int]], next_pos: list[int], rooms: list[int], B: in
         first_pos=[pos - (n - len(p)) for pos, p in zip(next_pos, pending)],
         keep=B, start=[0] * len(pending), cap=[min(B, room) for room in rooms], drop=B - 1,
     )
+
+
+def verify_block(
+    pending: list[list[int]], drafts: list[list[int]], next_pos: list[int], L: int, mask_id: int, pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """[holes | pending | drafts | L masks | L fallback masks] per row (exact.verify_window, batched).
+
+    Returns ids and position ids (rows, width), the attention among the fed columns
+    (rows, width, width), and n, the width of the real part. A row's fallback masks
+    sit right after its newest pending token and do not see its drafts or main masks;
+    none are fed when no row has drafts.
+    """
+    real, real_attn = left_pad([p + d for p, d in zip(pending, drafts)], pad_id)  # (A, n), holes on the left
+    g = L if any(drafts) else 0  # no row has drafts: no fallback group
+    n, width = len(real[0]), len(real[0]) + L + g
+    ids = torch.tensor([row + [mask_id] * (L + g) for row in real], device=device)
+    columns = torch.arange(width, device=device)
+    first = torch.tensor([pos - (n - len(p) - len(d)) for pos, p, d in zip(next_pos, pending, drafts)], device=device)
+    positions = first[:, None] + columns  # (A, width): real part and main masks continue the row
+    after_pending = torch.tensor([pos + len(p) for pos, p in zip(next_pos, pending)], device=device)
+    positions[:, n + L :] = after_pending[:, None] + torch.arange(g, device=device)
+    present = torch.cat([torch.tensor(real_attn, device=device), torch.ones(len(real), L + g, dtype=torch.long, device=device)], 1)
+    block = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & present.bool()[:, None, :]
+    for r, d in enumerate(drafts):
+        block[r, n + L :, n - len(d) : n + L] = False  # fallback masks: not the drafts, not the main masks
+    return ids, positions.clamp_min(0), block, n
+
+
+def verify_rows(
+    logits: torch.Tensor, drafts: list[list[int]], L: int, tau: float, metric: str
+) -> list[exact.Verdict]:
+    """Each row's verdict; logits (A, 1 + max drafts + L + fallback, vocab), a row's newest pending token at column max - d."""
+    most = max(map(len, drafts))
+    verdicts = []
+    for r, d in enumerate(drafts):
+        start = most - len(d)
+        rows = logits[r, start : start + 1 + len(d) + L]
+        if d:
+            rows = torch.cat([rows, logits[r, -L:]])
+        verdicts.append(exact.verify(rows, d, L, tau, metric))  # one host sync per row
+    return verdicts
 
 
 @torch.inference_mode()
@@ -51,34 +95,68 @@ def token_passes(
     max_new_tokens: int = 256,
     stop_ids: set[int] = frozenset(),
     seed: int | None = None,
+    verifying: bool = False,
 ) -> Iterator[BatchEvent]:
-    """Decode token-id ``prompts`` together, each row at its own pace; one BatchEvent per forward pass."""
+    """Decode token-id ``prompts`` together, each row at its own pace; one BatchEvent per forward pass.
+
+    ``verifying``: exact / hybrid mode (decoding.decode_passes); every row verifies its own drafts.
+    """
+    if verifying and temperature > 0:
+        raise ValueError(EXACT_IS_GREEDY)
     B, R = block_size, len(prompts)
-    max_new_tokens = limit_new_tokens(model, prompts, max_new_tokens, B)
+    max_new_tokens = limit_new_tokens(model, prompts, max_new_tokens, 2 * B if verifying else B)
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     book = RowBook(R, max_new_tokens, set(stop_ids))
     kv = PaddedCache(model, R)
     active = list(range(R))  # rows still decoding, in cache order
     pending = [list(p) for p in prompts]  # fed next pass: the prompt first, then the tokens accepted last pass
     next_pos = [0] * R  # position id of each row's next real token
+    drafts: list[list[int]] = [[] for _ in range(R)]  # verifying: each row's guesses for the tokens after its pending ones
     index = 0
     while True:
         tau_now = tau.get()
-        width = 1 if tau_now >= 1.0 else B  # at tau = 1.0 only candidate 1 can pass: no masks
         started = time.perf_counter()
-        window = slide([pending[r] for r in active], [next_pos[r] for r in active], [book.room(r) for r in active], width, mask_id, pad_id)
-        logits = kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
-        kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
-        tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
-        steps = book.commit_all(active, tokens, confs)
-        for r in active:
-            next_pos[r] += len(pending[r])
-            pending[r] = list(steps[r].token_ids)
+        if verifying:
+            steps, fed = _verify_pass(kv, book, active, pending, drafts, next_pos, B - 1, mask_id, pad_id, tau_now, metric)
+        else:
+            width = 1 if tau_now >= 1.0 else B  # at tau = 1.0 only candidate 1 can pass: no masks
+            window = slide([pending[r] for r in active], [next_pos[r] for r in active], [book.room(r) for r in active], width, mask_id, pad_id)
+            logits = kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
+            kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
+            tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
+            steps, fed = book.commit_all(active, tokens, confs), window.width
+            for r in active:
+                next_pos[r] += len(pending[r])
+                pending[r] = list(steps[r].token_ids)
         active = kv.drop_finished(book, active)
         seconds = time.perf_counter() - started
         book.end_pass(seconds)
         stats = book.stats() if not active else None
-        yield BatchEvent(index, tuple(steps), tau_now, seconds, "prefill" if index == 0 else "window", window.width, stats)
+        yield BatchEvent(index, tuple(steps), tau_now, seconds, "prefill" if index == 0 else "window", fed, stats)
         if stats:
             return
         index += 1
+
+
+def _verify_pass(
+    kv: PaddedCache, book: RowBook, active: list[int], pending: list[list[int]], drafts: list[list[int]],
+    next_pos: list[int], L: int, mask_id: int, pad_id: int, tau: float, metric: str,
+) -> tuple[list[RowStep], int]:
+    """One verifying pass for every active row: feed, verify, commit, and keep in the cache only verified columns.
+
+    Updates pending, drafts and next_pos in place; returns the steps and the columns fed.
+    """
+    rows_pending, rows_drafts = [pending[r] for r in active], [drafts[r] for r in active]
+    cached = kv.length
+    ids, positions, block, n = verify_block(rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device)
+    logits = kv.forward_block(ids, positions, block, 1 + max(map(len, rows_drafts)) + ids.shape[1] - n)
+    verdicts = verify_rows(logits, rows_drafts, L, tau, metric)
+    steps = book.commit_all(active, [v.tokens for v in verdicts], [v.confidences for v in verdicts])
+    kept = [n - len(d) + v.cached for d, v in zip(rows_drafts, verdicts)]  # each row's columns up to its last verified draft
+    kv.crop(ids.shape[1] - max(kept))  # both mask groups and the drafts no row kept
+    for i, (r, v) in enumerate(zip(active, verdicts)):
+        kv.hide(i, cached + kept[i], cached + max(kept))  # this row's rejected drafts, kept for another row's sake
+        steps[r] = replace(steps[r], origins=tuple(v.origins[: len(steps[r].token_ids)]))
+        next_pos[r] += len(pending[r]) + v.cached
+        pending[r], drafts[r] = v.tokens[v.cached :], v.drafts
+    return steps, ids.shape[1]

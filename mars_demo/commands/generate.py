@@ -45,7 +45,10 @@ def record(prompt: str, result: Generation, model: str, compute: ComputePath | N
         "text": result.text,
         "token_ids": result.token_ids,
         "steps": [
-            {"tokens": list(s.token_ids), "confidences": [round(c, 6) for c in s.confidences], "tau": s.tau, "seconds": round(s.seconds, 6)}
+            {
+                "tokens": list(s.token_ids), "confidences": [round(c, 6) for c in s.confidences], "origins": list(s.origins),
+                "tau": s.tau, "seconds": round(s.seconds, 6),
+            }
             for s in result.steps
         ],
         "forward_passes": stats.forward_passes,

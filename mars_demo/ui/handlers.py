@@ -104,7 +104,10 @@ class DemoHandlers:
             yield model_message(sentence(text, f"Still serving {keep}"), "error"), gr.update(value=keep), gr.skip()
             return
         session.spec = spec
-        status = model_status(lm.name, lm.meta.block_size, lm.meta.mask_token, lm.load_seconds, bundled_note(spec))
+        status = model_status(
+            lm.name, lm.meta.block_size, lm.meta.mask_token, lm.load_seconds, bundled_note(spec),
+            compute=lm.compute.summary() if lm.compute is not None else "",
+        )
         yield status, gr.skip(), gr.update(value=lm.meta.block_size)
 
     def _hold(self, spec: str | None, stack: ExitStack, request: gr.Request | None):
@@ -120,10 +123,10 @@ class DemoHandlers:
         session.tau.set(float(value))
 
     # -- the race --------------------------------------------------------------------------
-    def _config(self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None) -> DecodeConfig:
+    def _config(self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None, mode="mars") -> DecodeConfig:
         try:
             return DecodeConfig(
-                tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
+                mode=mode, tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
                 metric=metric, temperature=float(temperature), max_fed=None if full_window else "auto",
             )
         except (TypeError, ValueError) as err:
@@ -135,7 +138,7 @@ class DemoHandlers:
         mars, ar = trace.steps("mars"), trace.steps("ar")
         out: list = [gr.skip()] * 8
         if "mars" in panes:
-            out[0] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"))
+            out[0] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"), trace.config.mode)
         if "ar" in panes:
             out[1] = ar_pane(ar, _side_status(trace, "ar"), trace.finish_reason("ar"))
         if charts_due:
@@ -156,11 +159,12 @@ class DemoHandlers:
     def run(
         self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session,
         request: gr.Request = None,
+        mode: str = "mars",
     ) -> Iterator[tuple]:
-        """Race MARS against AR on one prompt, streaming every forward pass of both."""
+        """Race MARS (or exact / hybrid mode) against AR on one prompt, streaming every forward pass of both."""
         if not (prompt or "").strip():
             raise error("Type a prompt first, or pick one of the examples.", "Empty prompt", request)
-        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, request)
+        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, request, mode)
         owner = request.session_hash if request is not None else None
         with ExitStack() as held:
             lm = self._hold(spec, held, request)

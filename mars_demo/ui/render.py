@@ -5,7 +5,9 @@ every attribute value goes through ``html.escape``, so ``<script>`` in an output
 renders literally. In the MARS pane the tokens one forward pass accepted share a
 colour (three colours alternate so neighbouring passes are told apart) and the shade
 deepens with the number of tokens that pass accepted; hovering a token shows its pass,
-its confidence and the tau in force (a CSS tooltip from ``data-tip``).
+its confidence, the tau in force and where it came from (a CSS tooltip from ``data-tip``).
+In exact and hybrid modes a token the pass verified from a draft is underlined (dotted),
+unlike those taken on confidence or from the AR head.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from html import escape
 
 from ..charts import PASS_COLORS, summarize
 from ..decoding import StepEvent
+from ..exact import AR, DRAFT, MASK
 
 SHADES = 4  # passes accepting 1, 2, 3, 4+ tokens get deeper shades
+ORIGIN_TIPS = {AR: "the AR head's token", DRAFT: "draft verified by the AR head", MASK: "mask accepted on confidence"}
+PANE_NAMES = {"mars": "MARS", "exact": "Exact (verified)", "hybrid": "Hybrid (confidence + verified)"}
 
 
 def _rgb(hex_color: str) -> str:
@@ -60,6 +65,7 @@ PANE_CSS_BASE = """
   white-space: nowrap; background: #111827; color: #f9fafb; font-size: 12px; line-height: 1.4;
   padding: 3px 8px; border-radius: 5px; z-index: 20; pointer-events: none; font-style: normal; }
 .ar .tok:hover { outline-color: #94a3b8; }
+.tok.draft { text-decoration: underline dotted 1.5px; text-underline-offset: 4px; }
 .legend { display: flex; flex-wrap: wrap; align-items: center; gap: 6px; padding: 6px 12px 8px;
   font-size: 12px; color: var(--body-text-color-subdued); border-top: 1px dashed var(--border-color-primary); }
 .swatch { display: inline-block; min-width: 22px; padding: 0 4px; text-align: center; border-radius: 3px;
@@ -117,15 +123,18 @@ def _stats(steps: Sequence[StepEvent], with_tau: bool) -> str:
 def _tokens(step: StepEvent, mars: bool) -> str:
     n = len(step.token_ids)
     spans = []
-    for piece, conf in zip(step.pieces, step.confidences):
+    origins = step.origins or (None,) * n
+    for piece, conf, origin in zip(step.pieces, step.confidences, origins):
         if not piece:
             continue  # special tokens (EOS) have no text
         count = f" ({n} token{'s' if n != 1 else ''})" if mars else ""
-        tip = f"pass {step.index + 1}{count} · confidence {conf:.3f} · tau {step.tau:.2f}"
+        source = f" · {ORIGIN_TIPS[origin]}" if mars and origin in ORIGIN_TIPS else ""
+        tip = f"pass {step.index + 1}{count} · confidence {conf:.3f} · tau {step.tau:.2f}{source}"
         text = escape(piece)
         if mars:  # MARS pane: make newline tokens visible, or a pass of newlines shows as nothing
             text = text.replace("\n", '<span class="nl">↵</span>\n')
-        spans.append(f'<span class="tok" data-tip="{escape(tip)}">{text}</span>')
+        kind = " draft" if mars and origin == DRAFT else ""
+        spans.append(f'<span class="tok{kind}" data-tip="{escape(tip)}">{text}</span>')
     return "".join(spans)
 
 
@@ -137,18 +146,19 @@ def _pane(side: str, name: str, body: str, steps: Sequence[StepEvent], status: s
     )
 
 
-def legend() -> str:
+def legend(mode: str = "mars") -> str:
     swatches = "".join(
         f'<span class="swatch c0 s{s}">{s}{"+" if s == SHADES else ""}</span>' for s in range(1, SHADES + 1)
     )
+    drafts = ' · <span class="tok draft">underlined</span>: a draft the pass verified' if mode != "mars" else ""
     return (
         f'<div class="legend">tokens per pass {swatches}'
-        '<span>· colours alternate between passes · hover a token for details</span></div>'
+        f'<span>· colours alternate between passes{drafts} · hover a token for details</span></div>'
     )
 
 
-def mars_pane(steps: Sequence[StepEvent], status: str = "idle", finish: str | None = None) -> str:
-    """The MARS text, one coloured group per forward pass."""
+def mars_pane(steps: Sequence[StepEvent], status: str = "idle", finish: str | None = None, mode: str = "mars") -> str:
+    """The MARS (or exact / hybrid) text, one coloured group per forward pass."""
     if steps:
         body = "".join(
             f'<span class="pass c{s.index % len(PASS_COLORS)} s{min(max(len(s.token_ids), 1), SHADES)}" '
@@ -157,7 +167,7 @@ def mars_pane(steps: Sequence[StepEvent], status: str = "idle", finish: str | No
         )
     else:
         body = '<span class="placeholder">Press Run: MARS output appears here, coloured by forward pass.</span>'
-    return _pane("mars", "MARS", body, steps, status, finish, legend())
+    return _pane("mars", escape(PANE_NAMES.get(mode, "MARS")), body, steps, status, finish, legend(mode))
 
 
 def ar_pane(steps: Sequence[StepEvent] | None, status: str = "idle", finish: str | None = None) -> str:
@@ -172,9 +182,11 @@ def ar_pane(steps: Sequence[StepEvent] | None, status: str = "idle", finish: str
     return _pane("ar", "AR baseline", body, steps, status, finish)
 
 
-def model_status(name: str, block_size: int, mask_token: str, seconds: float, note: str = "") -> str:
-    """One line under the model picker: what is serving (every value escaped)."""
+def model_status(name: str, block_size: int, mask_token: str, seconds: float, note: str = "", compute: str = "") -> str:
+    """One line under the model picker: what is serving and on which compute path (every value escaped)."""
     extra = f' <span class="note">{escape(note)}</span>' if note else ""
+    if compute:
+        extra = f' · <span class="compute">compute path {escape(compute)}</span>' + extra
     return (
         f'<div class="model-status ok">Serving <code>{escape(name)}</code> · block size {int(block_size)} · '
         f"mask <code>{escape(mask_token)}</code> · loaded in {seconds:.1f} s{extra}</div>"

@@ -1,0 +1,196 @@
+"""Exact and hybrid modes (docs/METHOD-exact.md): greedy AR's output token for token, cached == uncached.
+
+A random model's masks almost never guess the AR token, so most tests also run on a
+"drafty" copy: a bias on the LM head towards four tokens makes the masks' guesses
+right often enough that drafts are kept, rejected at every index, and cut.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import PROMPTS, make_lm
+from mars_demo import exact
+from mars_demo.batching import collect_batch, stream_batch
+from mars_demo.config import DecodeConfig
+from mars_demo.data import prompt_ids
+from mars_demo.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
+from mars_demo.reference import reference_exact
+
+MAX_NEW = 32
+BLOCKS = (2, 4, 8)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-drafty", "qwen2-drafty"])
+def lm(request):
+    arch, _, drafty = request.param.partition("-")
+    lm = make_lm(arch)
+    if drafty:
+        bias = torch.zeros(lm.model.config.vocab_size)
+        bias[[50, 60, 70, 80]] = 7.0
+        lm.model.lm_head.bias = torch.nn.Parameter(bias)
+    return lm
+
+
+def ar_ids(lm, prompt: str, max_new: int = MAX_NEW, **extra) -> list[int]:
+    return collect(generate(lm, prompt, DecodeConfig(mode="ar", max_new_tokens=max_new, **extra))).token_ids
+
+
+def passes(lm, prompt: str, block_size: int, tau: float = 1.0, max_new: int = MAX_NEW, stop_ids=None) -> list:
+    ids = prompt_ids(lm.tokenizer, prompt)
+    return list(decode_passes(
+        lm.model, ids, window=block_size, mask_id=lm.meta.mask_token_id, tau=LiveTau(tau), metric="probability",
+        temperature=0.0, max_new_tokens=max_new, stop_ids=eos_ids(lm.model, lm.tokenizer) if stop_ids is None else stop_ids,
+        verifying=True,
+    ))
+
+
+@pytest.mark.parametrize("block_size", BLOCKS)
+def test_exact_equals_greedy_ar_and_hybrid_at_tau_one(lm, block_size):
+    for prompt in PROMPTS:
+        expected = ar_ids(lm, prompt)
+        config = DecodeConfig(mode="exact", block_size=block_size, max_new_tokens=MAX_NEW)
+        ours = collect(generate(lm, prompt, config))
+        hybrid = collect(generate(lm, prompt, config.with_(mode="hybrid", tau=1.0)))
+        assert ours.token_ids == expected
+        assert [s.token_ids for s in hybrid.steps] == [s.token_ids for s in ours.steps]
+        assert all(s.tau == 1.0 and len(s.origins) == len(s.token_ids) for s in ours.steps)
+        assert all(o != exact.MASK for s in ours.steps for o in s.origins)  # nothing taken on confidence
+
+
+def test_exact_equals_transformers_greedy(tiny_lm):
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt_ids(tiny_lm.tokenizer, prompt)])
+        hf = tiny_lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW)
+        ours = collect(generate(tiny_lm, prompt, DecodeConfig(mode="exact", max_new_tokens=MAX_NEW)))
+        assert ours.token_ids == hf[0, ids.shape[1]:].tolist()
+
+
+def test_drafts_are_really_verified(lm):
+    """The drafty models keep drafts, several in one pass, and reject some after keeping others."""
+    if lm.model.lm_head.bias is None:
+        pytest.skip("a random model's masks rarely guess right")
+    kept = [sum(o == exact.DRAFT for o in p.origins) for prompt in PROMPTS for p in passes(lm, prompt, 8)]
+    assert max(kept) >= 2 and kept.count(0) > 0
+    fewer = collect(generate(lm, PROMPTS[0], DecodeConfig(mode="exact", block_size=4, max_new_tokens=MAX_NEW)))
+    assert fewer.stats.forward_passes < fewer.stats.tokens
+
+
+@pytest.mark.parametrize("block_size", BLOCKS)
+@pytest.mark.parametrize("tau", [1.0, 0.7, 0.3])
+def test_cached_equals_uncached_reference(lm, block_size, tau):
+    stop = eos_ids(lm.model, lm.tokenizer)
+    for prompt in PROMPTS:
+        ids = prompt_ids(lm.tokenizer, prompt)
+        config = DecodeConfig(mode="hybrid", tau=tau, block_size=block_size, max_new_tokens=MAX_NEW)
+        ours = collect(stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4))
+        expected, per_pass = reference_exact(
+            lm.model, ids, block_size=block_size, mask_id=lm.meta.mask_token_id, tau=tau,
+            max_new_tokens=MAX_NEW, stop_ids=stop,
+        )
+        assert ours.token_ids == expected
+        assert [len(s.token_ids) for s in ours.steps] == per_pass
+
+
+@pytest.mark.parametrize("block_size", BLOCKS)
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_cache_holds_exactly_the_committed_tokens(lm, block_size, tau):
+    """After every pass the cache holds the prompt and every committed token except those fed next
+    pass: the AR token and any accepted on confidence (verified drafts stay where they were computed)."""
+    for prompt in PROMPTS:
+        produced = len(prompt_ids(lm.tokenizer, prompt))
+        for p in passes(lm, prompt, block_size, tau)[:-1]:  # the last pass ends the run: nothing is fed after it
+            produced += len(p.tokens)
+            fed_next = len(p.tokens) - sum(o == exact.DRAFT for o in p.origins)
+            assert p.cached == produced - fed_next
+
+
+@pytest.mark.parametrize("block_size", BLOCKS)
+def test_stop_tokens_and_length_cut_inside_drafts(lm, block_size):
+    """Every token of the AR output, made a stop token, ends exact mode where it ends AR;
+    every max_new_tokens cuts it where it cuts AR. A pass that is not cut ends with its AR
+    token or a mask's, so a run whose last token is a draft was cut inside the drafts."""
+    in_drafts = {"stop": 0, "length": 0}
+    drafty = lm.model.lm_head.bias is not None
+    for prompt in PROMPTS[:3] if drafty else PROMPTS[:1]:  # a random model's masks rarely draft: one prompt will do
+        full = ar_ids(lm, prompt)
+        for token in dict.fromkeys(full):
+            out = passes(lm, prompt, block_size, stop_ids={token})
+            assert [t for p in out for t in p.tokens] == full[: full.index(token) + 1]
+            assert out[-1].finish == "eos"
+            in_drafts["stop"] += out[-1].origins[-1] == exact.DRAFT
+        for n in range(1, len(full) + 1):
+            out = passes(lm, prompt, block_size, max_new=n, stop_ids=set())
+            assert [t for p in out for t in p.tokens] == full[:n] and out[-1].finish == "length"
+            in_drafts["length"] += out[-1].origins[-1] == exact.DRAFT
+    if drafty:
+        assert in_drafts["stop"] > 0 and in_drafts["length"] > 0
+
+
+def test_eos_is_honoured_inside_drafts(lm):
+    eos = lm.tokenizer.eos_token_id
+    for prompt in PROMPTS:
+        full = ar_ids(lm, prompt)
+        if eos in full:
+            assert collect(generate(lm, prompt, DecodeConfig(mode="exact", max_new_tokens=MAX_NEW))).token_ids == full
+    bias = lm.model.lm_head.bias
+    forced = torch.zeros(lm.model.config.vocab_size) if bias is None else bias.detach().clone()
+    forced[eos] = 1e4  # EOS everywhere: the first pass ends with it
+    lm.model.lm_head.bias = torch.nn.Parameter(forced)
+    try:
+        ended = collect(generate(lm, PROMPTS[2], DecodeConfig(mode="exact", max_new_tokens=MAX_NEW)))
+    finally:
+        lm.model.lm_head.bias = bias
+    assert ended.token_ids == [eos] and ended.stats.finish_reason == "eos"
+
+
+def test_stop_strings_end_exact_mode_where_they_end_ar(tiny_llama):
+    full = collect(generate(tiny_llama, PROMPTS[2], DecodeConfig(mode="ar", max_new_tokens=40)))
+    cut_at = re.search(r"[A-Za-z ]{2}", full.text[3:]).group(0)
+    config = DecodeConfig(mode="exact", max_new_tokens=40, stop=(cut_at,))
+    stopped = collect(generate(tiny_llama, PROMPTS[2], config))
+    assert stopped.stats.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(cut_at) + len(cut_at)]
+
+
+def test_exact_ignores_a_live_tau_and_hybrid_reads_it(tiny_llama):
+    live = LiveTau(0.0)
+    exact_run = collect(generate(tiny_llama, PROMPTS[0], DecodeConfig(mode="exact", max_new_tokens=MAX_NEW), tau=live))
+    assert exact_run.token_ids == ar_ids(tiny_llama, PROMPTS[0])
+    hybrid = collect(generate(tiny_llama, PROMPTS[0], DecodeConfig(mode="hybrid", max_new_tokens=MAX_NEW), tau=live))
+    assert all(s.tau == 0.0 for s in hybrid.steps) and hybrid.stats.tokens_per_forward > 2
+
+
+def test_sampling_is_refused_with_a_clear_message():
+    for mode in ("exact", "hybrid"):
+        with pytest.raises(ValueError, match="temperature 0"):
+            DecodeConfig(mode=mode, temperature=0.7)
+
+
+MIXED = [PROMPTS[0], " ".join(PROMPTS) * 2, PROMPTS[2], PROMPTS[3][:5]]  # very different lengths
+
+
+@pytest.mark.parametrize("block_size", BLOCKS)
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_every_batch_row_equals_that_row_alone(lm, block_size, tau):
+    """Token-level batch, verifying: each row keeps, rejects and re-drafts on its own, pass for pass."""
+    ids = [prompt_ids(lm.tokenizer, p) for p in MIXED]
+    mode = "exact" if tau == 1.0 else "hybrid"
+    config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=MAX_NEW)
+    batch = collect_batch(stream_batch(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4))
+    for r, row in enumerate(ids):
+        alone = collect(stream(lm.model, lm.tokenizer, row, config, mask_id=lm.meta.mask_token_id, block_size=4))
+        steps = [e.rows[r] for e in batch.events][: alone.stats.forward_passes]
+        assert [s.token_ids for s in steps] == [s.token_ids for s in alone.steps]
+        assert [s.origins for s in steps] == [s.origins for s in alone.steps]
+        assert batch.stats.rows[r].finish_reason == alone.stats.finish_reason
+    assert all(e.fed >= 1 for e in batch.events)
+
+
+def test_batch_exact_needs_the_token_scheme(tiny_llama):
+    ids = [prompt_ids(tiny_llama.tokenizer, p) for p in PROMPTS[:2]]
+    with pytest.raises(ValueError, match="token-level"):
+        stream_batch(tiny_llama.model, tiny_llama.tokenizer, ids, DecodeConfig(mode="exact"), mask_id=3, block_size=4, scheme="block")
