@@ -158,8 +158,8 @@ class DemoHandlers:
 
     def run(
         self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session,
-        request: gr.Request = None,
         mode: str = "mars",
+        request: gr.Request = None,
     ) -> Iterator[tuple]:
         """Race MARS (or exact / hybrid mode) against AR on one prompt, streaming every forward pass of both."""
         if not (prompt or "").strip():
