@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from mars_demo.cli import main
+from mars_demo.decoding import capped_width
 
 
 def test_generate_json_lines_for_a_prompts_file(model_dir, tmp_path, capsys):
@@ -27,14 +28,18 @@ def test_generate_json_lines_for_a_prompts_file(model_dir, tmp_path, capsys):
 
 
 def test_generate_max_fed_none_gives_the_full_window(model_dir, capsys):
-    """tau 0 accepts every candidate: the paper's window gives B per pass; the default CPU cap fewer after the first."""
-    def per_pass(*flags):
+    """tau 0 accepts every candidate: the paper's window gives B per pass; auto, the measured path's cap."""
+    def run(*flags):
         assert main(["generate", "--model", model_dir, "--prompt", "Count.", "--tau", "0", "--block-size", "4",
                      "--max-new-tokens", "16", "--json", *flags]) == 0
-        return [len(s["tokens"]) for s in json.loads(capsys.readouterr().out)["steps"]]
+        return json.loads(capsys.readouterr().out)
 
-    assert per_pass("--max-fed", "none") == [4, 4, 4, 4]
-    assert per_pass()[:3] == [4, 2, 2]
+    assert [len(s["tokens"]) for s in run("--max-fed", "none")["steps"]] == [4, 4, 4, 4]
+    auto = run()
+    cap = auto["compute_path"]["max_fed"]
+    widths = [len(s["tokens"]) for s in auto["steps"]]
+    assert widths[:3] == [4, capped_width(4, 4, cap), capped_width(4, widths[1], cap)]
+    assert isinstance(cap, int) and cap >= 2
 
 
 def test_generate_exact_mode_prints_greedy_ar_and_the_origin_of_each_token(model_dir, capsys):

@@ -62,7 +62,7 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
              "--taus", ",".join(f"{t:g}" for t in config.taus), "--batch-sizes", ",".join(map(str, config.batch_sizes)),
              "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods),
              "--max-fed", max_fed_text(config.max_fed), "--out", str(args.out)]
-    for flag, value in (("--precision", args.precision),("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):
+    for flag, value in (("--precision", args.precision), ("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):
         if value is not None:
             parts += [flag, str(value)]
     return shlex.join(parts)

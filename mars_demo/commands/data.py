@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     rows = read_jsonl(prompts_path)
     seen = {row["prompt"] for row in rows}
     start = max((row["chunk"] for row in rows), default=-1) + 1
-    lm = load_model(args.model, precision="fp32")
+    lm = load_model(args.model)  # plain fp32, nothing to measure: data is decoded as trained
     for chunk in range(start, args.chunks):
         split = "heldout" if chunk % args.heldout_every == 0 else "train"
         fresh = [p for p in sample_prompts(lm, args.chunk_size, seed=args.seed + chunk, batch_size=args.sample_batch_size) if p not in seen]

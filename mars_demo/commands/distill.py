@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise UserError(f"no prompts in {args.prompts}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    lm = load_model(args.base, device=args.device, precision="fp32")
+    lm = load_model(args.base, device=args.device)  # plain fp32
     written = distill(lm, prompts, args.out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     print(f"{written} new answers appended to {args.out} ({len(prompts) - written} already there)")
     return 0

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--count and --batch-size must be at least 1")
     if not 0 <= args.heldout <= args.count:
         raise UserError(f"--heldout must be between 0 and --count ({args.count}), got {args.heldout}")
-    lm = load_model(args.model, device=args.device, precision="fp32")
+    lm = load_model(args.model, device=args.device)  # plain fp32
     prompts = sample_prompts(lm, args.count, seed=args.seed, batch_size=args.batch_size)
     heldout, train = split(prompts, args.heldout, args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)
