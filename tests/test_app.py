@@ -28,6 +28,12 @@ def is_skip(value) -> bool:
     return value == gr.skip()
 
 
+def shown(output):
+    """The value a handler sent to an output (the handlers send values as updates: handlers.shown)."""
+    assert isinstance(output, dict) and output.get("__type__") == "update" and "value" in output, output
+    return output["value"]
+
+
 @pytest.fixture
 def handlers(tiny_qwen, tmp_path):
     def loader(spec: str):
@@ -71,8 +77,8 @@ def test_run_streams_both_panes_pass_by_pass(handlers):
     assert sum(not is_skip(o[1]) for o in streamed) == len(trace.ar)
     assert all(is_skip(o[0]) != is_skip(o[1]) for o in streamed)  # each yield is one side's pass
     final = outputs[-1]
-    assert 'data-status="done"' in final[0] and 'data-status="done"' in final[1]
-    assert final[0].count('class="pass ') == len(trace.mars)
+    assert 'data-status="done"' in shown(final[0]) and 'data-status="done"' in shown(final[1])
+    assert shown(final[0]).count('class="pass ') == len(trace.mars)
     assert all(f is not None for f in final[2:6])
     json_path = final[6]["value"]
     data = json.loads(open(json_path, encoding="utf-8").read())
@@ -86,7 +92,7 @@ def test_charts_refresh_while_the_run_streams(handlers):
     session = Session()
     outputs = list(start(handlers, session, max_new_tokens=6))
     assert all(not is_skip(o[2]) for o in outputs)
-    time_fig, pass_fig = outputs[2][2], outputs[2][3]
+    time_fig, pass_fig = shown(outputs[2][2]), shown(outputs[2][3])
     first = len(session.trace.mars[0].token_ids)
     assert [t.name for t in time_fig.data] == ["MARS", "AR"] and list(time_fig.data[0].y) == [0, first]
     assert list(pass_fig.data[1].y) == [0.9]
@@ -104,7 +110,7 @@ def test_ar_side_can_be_switched_off(handlers):
     session = Session()
     outputs = list(start(handlers, session, with_ar=False))
     assert session.trace.ar == [] and session.trace.steps("ar") is None
-    assert "switched off" in outputs[-1][1]
+    assert "switched off" in shown(outputs[-1][1])
     assert set(json.loads(open(outputs[-1][6]["value"]).read())["sides"]) == {"mars"}
 
 
@@ -160,7 +166,7 @@ def test_prompt_with_markup_runs_and_is_kept_as_text(handlers):
     prompt = "<script>alert('x')</script> Say hi"
     outputs = list(start(handlers, session, prompt=prompt, with_ar=False))
     assert json.loads(open(outputs[-1][6]["value"]).read())["prompt"] == prompt
-    assert "<script" not in outputs[-1][0]
+    assert "<script" not in shown(outputs[-1][0])
 
 
 def test_bad_input_gets_a_clear_message(handlers):
@@ -207,7 +213,7 @@ def test_stop_shows_and_saves_the_partial_run(handlers):
     run.close()  # what Gradio's cancel does to the generator
     outputs = handlers.stop(session)
     assert session.trace.status == "stopped"
-    assert 'data-status="stopped"' in outputs[0]
+    assert 'data-status="stopped"' in shown(outputs[0])
     data = json.loads(open(outputs[6]["value"]).read())
     assert data["status"] == "stopped"
     assert len(data["sides"]["mars"]["passes"]) == 2 and len(data["sides"]["ar"]["passes"]) == 2
@@ -232,7 +238,7 @@ def test_stop_during_a_pass_ends_the_run_without_another_yield(handlers):
     assert list(run) == []
     stopper.join()
     assert session.trace.ended.is_set()
-    assert 'data-status="stopped"' in results["out"][0]
+    assert 'data-status="stopped"' in shown(results["out"][0])
     assert len(session.trace.mars) == 1 and len(session.trace.ar) == 1
 
 
@@ -255,7 +261,7 @@ def test_sweep_handler_yields_the_frontier(handlers):
     outputs = list(handlers.sweep([PROMPT, "Count: one, two"], [0.5], 10, BUNDLED, 4, "probability", 0.0))
     assert len(outputs) == 6  # one update per run (AR, tau 1.0, tau 0.5 for each prompt)
     assert [is_skip(o[1]) for o in outputs] == [True, True, False] * 2  # the frontier once a prompt is done
-    status, fig, table = outputs[-1]
+    status, fig, table = outputs[-1][0], shown(outputs[-1][1]), shown(outputs[-1][2])
     assert "Sweep finished: 2 of 2 prompts, 6 of 6 runs" in status
     assert [row[0] for row in table] == [1.0, 0.5]
     assert table[0][5] == 1.0  # tau = 1.0 agrees with itself
@@ -330,8 +336,8 @@ def test_exact_mode_races_ar_with_the_same_text_and_marks_verified_drafts(handle
     trace = session.trace
     assert trace.config.mode == "exact"
     assert [t for e in trace.mars for t in e.token_ids] == [t for e in trace.ar for t in e.token_ids]
-    assert "Exact (verified)" in outputs[-1][0]
-    summary = outputs[-1][5].data[0].cells.values
+    assert "Exact (verified)" in shown(outputs[-1][0])
+    summary = shown(outputs[-1][5]).data[0].cells.values
     assert "(identical)" in summary[1][summary[0].index("same tokens as AR")]
     evil = ("<script>", "x", '"y')
     step = StepEvent(0, (1, 2, 3), evil, (0.9, 0.8, 0.7), 1.0, 0.01, None, ("draft", "draft", "ar"))

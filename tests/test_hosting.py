@@ -22,6 +22,7 @@ import torch
 import app
 from mars_demo.config import DecodeConfig
 from mars_demo.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
+from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import BUSY, DemoHandlers
 from mars_demo.ui.messages import error, for_client, is_api, sentence
 from mars_demo.ui.models import ModelBusy, ModelCache, ModelPolicy, ModelRefused, model_choices
@@ -261,5 +262,32 @@ def test_served_app_through_the_api(spy_loader, tmp_path, monkeypatch):
             assert message in str(err.value) and err.value.title == title and "&#" not in str(err.value)
         assert spy_loader.calls == [BUNDLED]
         assert [p.name for p in (tmp_path / "traces").iterdir()]  # the downloaded trace is still there
+    finally:
+        demo.close()
+
+
+def test_streamed_runs_do_not_grow_the_session(spy_loader, tmp_path, monkeypatch):
+    """Gradio keeps each session's latest component values; a run's passes must replace them, not pile up.
+
+    (Gradio 6.31 stores a value that follows a gr.skip() for the same output under a new id, so a run
+    that streams plain values between skips added a copy of a pane or a figure to its session per pass.)
+    """
+    from gradio_client import Client
+
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    demo = app.build_demo(spy_loader, policy=CLOSED, traces=TraceStore(tmp_path / "traces"))
+    demo.handlers.chart_every = 0.0  # charts on every pass as well
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False, download_files=str(tmp_path / "downloads"))
+        for tau in (0.9, 0.5, 0.7):
+            client.predict(PROMPT, *settings(tau=tau, max_new_tokens=24), api_name="/run")
+        client.predict(list(EXAMPLE_PROMPTS[:2]), [0.7], 8, BUNDLED, 4, "probability", 0.0, False, api_name="/sweep")
+        client.predict(api_name="/stop")
+        (session,) = demo.state_holder.session_data.values()
+        assert set(session.blocks_config.blocks) <= set(demo.blocks)  # one stored component per block, no more
+        assert set(session.config_values) <= set(demo.blocks)
+        assert [type(v) for v in session.state_data.values()] == [Session]
     finally:
         demo.close()

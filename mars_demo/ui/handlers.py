@@ -53,6 +53,18 @@ def empty_figures() -> tuple:
     )
 
 
+def shown(value) -> dict:
+    """A new value for an output that other yields skip, sent as an update so Gradio stores it in place.
+
+    Gradio (6.31) keeps every session's latest component values until the session is evicted.
+    gr.skip() replaces the session's copy of a component with a new one under a new id, and a
+    plain value sent after that is stored under that new id, beside the old entry. A run that
+    alternated skips and plain values added a copy of a pane or a figure to its session per
+    pass (docs/soak.md, "Memory growth"); an update always replaces the entry in place.
+    """
+    return gr.update(value=value)
+
+
 BUSY = ("Another model is in use by other visitors' runs right now: "
         "try again once they finish, or keep the model that is loaded.")
 
@@ -134,21 +146,21 @@ class DemoHandlers:
 
     def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session,
                  owner: str | None = None) -> tuple:
-        """(MARS pane, AR pane, four figures, JSON and CSV download buttons); gr.skip() for what did not change."""
+        """(MARS pane, AR pane, four figures, JSON and CSV download buttons) as updates; gr.skip() for what did not change."""
         mars, ar = trace.steps("mars"), trace.steps("ar")
         out: list = [gr.skip()] * 8
         if "mars" in panes:
-            out[0] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"), trace.config.mode)
+            out[0] = shown(mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"), trace.config.mode))
         if "ar" in panes:
-            out[1] = ar_pane(ar, _side_status(trace, "ar"), trace.finish_reason("ar"))
+            out[1] = shown(ar_pane(ar, _side_status(trace, "ar"), trace.finish_reason("ar")))
         if charts_due:
             block = trace.config.block_size
-            out[2:6] = [
+            out[2:6] = map(shown, [
                 charts.tokens_vs_time(mars, ar),
                 charts.tokens_per_pass(mars, block),
                 charts.passes_histogram(mars, block),
                 charts.summary_table(mars, ar),
-            ]
+            ])
         if files is True:
             json_path, csv_path = self.traces.write(trace, stem(session.id), owner)
             out[6:8] = [gr.update(value=str(json_path), interactive=True), gr.update(value=str(csv_path), interactive=True)]
@@ -242,7 +254,7 @@ class DemoHandlers:
             status = f'<div class="sweep-status">{escape(text)}</div>'
             if prompt_done:  # redraw the frontier with this prompt in it
                 points = frontier(runs)
-                yield status, charts.frontier(points), _sweep_table(points)
+                yield status, shown(charts.frontier(points)), shown(_sweep_table(points))
             else:  # a yield per run, so the sweep's Stop takes effect between runs
                 yield status, gr.skip(), gr.skip()
 
