@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from html import escape
 from pathlib import Path
@@ -32,6 +32,7 @@ from .. import charts
 from ..config import DecodeConfig
 from ..decoding import generate
 from ..loading import load_for_decoding
+from ..memory import ModelTooLarge, check_fits, trim_heap
 from ..sweep import frontier, plan, sweep_runs
 from .messages import error, sentence, warning
 from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note
@@ -82,8 +83,9 @@ class DemoHandlers:
         trace_dir: str | Path | None = None,
         traces: TraceStore | None = None,
         stop_wait: float = 10.0,
+        guard: Callable[[str], None] | None = check_fits,
     ) -> None:
-        self.models = ModelCache(loader, capacity)
+        self.models = ModelCache(loader, capacity, guard)
         self.policy = policy or ModelPolicy.from_env()
         self.chart_every = chart_every  # seconds between chart refreshes while a run streams
         self.traces = traces or TraceStore(trace_dir or Path(tempfile.gettempdir()) / "mars_demo_traces")
@@ -94,6 +96,8 @@ class DemoHandlers:
         """The message for a model that cannot be served; details go to the server log only."""
         if isinstance(err, ModelBusy):
             return BUSY
+        if isinstance(err, ModelTooLarge) and (spec or "").strip() in self.policy.specs:
+            return str(err)  # sizes only; a typed spec gets the one refusal below
         if not isinstance(err, ModelRefused):
             logger.warning("cannot load %r: %s", spec, err)
         return self.policy.refusal
@@ -212,6 +216,10 @@ class DemoHandlers:
                     yield self._outputs(trace, ("mars", "ar"), True, True, session, owner)
             finally:
                 trace.ended.set()  # also when Gradio cancels and closes this generator
+                for decoder in (mars, ar):  # their KV caches go now, not when Gradio drops this generator
+                    if decoder is not None:
+                        decoder.close()
+                trim_heap()  # and the freed pages back to the system (memory.py)
 
     def stop(self, session: Session, request: gr.Request = None) -> tuple:
         """Stop's own handler; ``cancels=`` ends the run generator at its next pass.
@@ -240,6 +248,7 @@ class DemoHandlers:
         config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window, request)
         with ExitStack() as held:
             yield from self._sweep(prompts, taus, config, runs_planned, self._hold(spec, held, request), progress)
+        trim_heap()
 
     def _sweep(self, prompts, taus, config, runs_planned, lm, progress) -> Iterator[tuple]:
         runs = []
