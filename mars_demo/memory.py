@@ -181,7 +181,7 @@ def check_fits(spec: str, available: int | None = None) -> None:
     params = parameter_count(spec)
     available = available_bytes() if available is None else available
     if params is None or available is None:
-        logger.info("cannot tell whether %s fits in memory (parameters %s, free %s): loading it", spec, params, available)
+        logger.info("cannot tell whether %s fits (parameters %s, free %s): loading it", spec, params, available)
         return
     needed = needed_bytes(params)
     if needed > available - margin_bytes():

@@ -285,7 +285,8 @@ def cpu_model() -> str:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     except OSError:
         return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown")
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
+    return names[0] if names else "unknown"
 
 
 def summary(values: list[float]) -> dict:

@@ -150,7 +150,7 @@ class DemoHandlers:
 
     def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session,
                  owner: str | None = None) -> tuple:
-        """(MARS pane, AR pane, four figures, JSON and CSV download buttons) as updates; gr.skip() for what did not change."""
+        """(MARS pane, AR pane, four figures, JSON and CSV download buttons), values as updates; gr.skip(): unchanged."""
         mars, ar = trace.steps("mars"), trace.steps("ar")
         out: list = [gr.skip()] * 8
         if "mars" in panes:
