@@ -266,6 +266,27 @@ def test_served_app_through_the_api(spy_loader, tmp_path, monkeypatch):
         demo.close()
 
 
+def test_sessions_kept_are_bounded(spy_loader, tmp_path, monkeypatch):
+    """Gradio keeps every session's state until it evicts the least recently used past the capacity."""
+    from gradio_client import Client
+
+    assert app.launch_options({})["state_session_capacity"] == 1000
+    options = app.launch_options({"MARS_DEMO_SESSIONS": "2"})
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    demo = app.build_demo(spy_loader, policy=CLOSED, traces=TraceStore(tmp_path / "traces"))
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                state_session_capacity=options["state_session_capacity"])
+    try:
+        for tau in (0.5, 0.6, 0.7):  # three API sessions, each with its own state
+            Client(f"http://127.0.0.1:{port}/", verbose=False).predict(tau, api_name="/set_tau")
+        assert len(demo.state_holder.session_data) == 2
+        kept = [next(iter(s.state_data.values())) for s in demo.state_holder.session_data.values()]
+        assert sorted(session.tau.get() for session in kept) == [0.6, 0.7]  # the oldest went
+    finally:
+        demo.close()
+
+
 def test_streamed_runs_do_not_grow_the_session(spy_loader, tmp_path, monkeypatch):
     """Gradio keeps each session's latest component values; a run's passes must replace them, not pile up.
 
