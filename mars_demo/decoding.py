@@ -201,13 +201,21 @@ def decode_passes(
     cache = DynamicCache(config=model.config)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
     drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
+    compute = getattr(model, "mars_compute", None)  # kernels.ComputePath: the measured cost curve
+    depths = exact.DraftDepth(window - 1, compute.costs_ms if compute else None)
     produced = 0
     while True:
         tau_now = tau.get()
         started = time.perf_counter()
         if verifying:
-            fed = exact.verify_window(pending, drafts, window - 1, mask_id, cache.get_seq_length(), model.dtype, device)
-            verdict = exact.verify(forward_fed(model, cache, fed), drafts, window - 1, tau_now, metric)
+            # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
+            depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
+            drafts = drafts[:depth]
+            fed = exact.verify_window(
+                pending, drafts, depth, mask_id, cache.get_seq_length(), model.dtype, device, fallback=fallback
+            )
+            verdict = exact.verify(forward_fed(model, cache, fed), drafts, depth, tau_now, metric)
+            depths.observe(len(drafts), verdict.cached)
             tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
             cache.crop(-(fed.width - len(pending) - verdict.cached))  # rejected drafts and both mask groups
             pending = tokens[verdict.cached :]
