@@ -32,14 +32,14 @@ from pathlib import Path
 
 import gradio as gr
 
-from mars_demo.config import METRICS, RANGES, DecodeConfig
-from mars_demo.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
+from mars_demo.engine.config import METRICS, RANGES, DecodeConfig
+from mars_demo.engine.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import SWEEP_COLUMNS, DemoHandlers, empty_figures
 from mars_demo.ui.models import Loader, ModelPolicy
 from mars_demo.ui.race import Session
-from mars_demo.ui.traces import TraceStore, stem
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
+from mars_demo.ui.traces import TraceStore, stem
 
 DEFAULTS = DecodeConfig()
 SWEEP_TAUS = (0.99, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.3)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mars_demo.acceptance import accept_count, choose, confidence
+from mars_demo.engine.acceptance import accept_count, choose, confidence
 
 
 def test_probability_accepts_the_leading_run():

@@ -11,9 +11,9 @@ import time
 import gradio as gr
 import pytest
 
-from mars_demo.config import DecodeConfig, resolve_max_fed
-from mars_demo.decoding import LiveTau, StepEvent, generate
-from mars_demo.loading import BUNDLED, ModelLoadError
+from mars_demo.engine.config import DecodeConfig, resolve_max_fed
+from mars_demo.engine.decoding import LiveTau, StepEvent, generate
+from mars_demo.engine.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
 from mars_demo.ui.race import RaceTrace, Session, interleave

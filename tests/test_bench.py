@@ -7,8 +7,8 @@ import json
 import pytest
 
 from mars_demo import cli
-from mars_demo.bench import METHODS, BenchConfig, add_speedups, agreement, cut_at_stop, plan
 from mars_demo.commands import bench as bench_command
+from mars_demo.research.bench import METHODS, BenchConfig, add_speedups, agreement, cut_at_stop, plan
 
 from conftest import PROMPTS, make_lm
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import pytest
 
-from mars_demo import charts
-from mars_demo.config import DecodeConfig
-from mars_demo.decoding import RunStats, StepEvent
-from mars_demo.sweep import REFERENCE_TAU, FrontierPoint, SweepRun, frontier, plan, sweep_runs
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import RunStats, StepEvent
+from mars_demo.ui import charts
+from mars_demo.ui.sweep import REFERENCE_TAU, FrontierPoint, SweepRun, frontier, plan, sweep_runs
 
 
 def steps(counts: list[int], taus: list[float] | None = None, seconds: float = 0.1) -> list[StepEvent]:

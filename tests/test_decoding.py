@@ -7,11 +7,12 @@ import re
 import pytest
 import torch
 
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import Detokenizer, LiveTau, collect, eos_ids, generate, stream
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.reference import reference_decode
+
 from conftest import PROMPTS, make_lm
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import Detokenizer, LiveTau, collect, eos_ids, generate, stream
-from mars_demo.reference import reference_decode
 
 MAX_NEW = 24
 

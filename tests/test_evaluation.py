@@ -7,31 +7,15 @@ import json
 import pytest
 import torch
 
-from conftest import PROMPTS, make_lm
 from mars_demo.cli import main
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.evaluation import (
-    Decoded,
-    EvalConfig,
-    Scored,
-    ar_match,
-    argmax_agreement,
-    common_prefix,
-    decode,
-    evaluate,
-    extra_ar_match,
-    mean_nll,
-    merge_counts,
-    pass_positions,
-    pooled_nll,
-    prefix_agreement,
-    repeated_ngrams,
-    repetition,
-    tau_row,
-    teacher_forced,
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.research.evaluation import (
+    Decoded, EvalConfig, Scored, ar_match, argmax_agreement, common_prefix, decode, evaluate, extra_ar_match, mean_nll,
+    merge_counts, pass_positions, pooled_nll, prefix_agreement, repeated_ngrams, repetition, tau_row, teacher_forced,
 )
 
+from conftest import PROMPTS, make_lm
 
 # --- pure functions on hand-made inputs ---
 

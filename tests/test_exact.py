@@ -12,13 +12,14 @@ import re
 import pytest
 import torch
 
+from mars_demo.engine import exact
+from mars_demo.engine.batching import collect_batch, stream_batch
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.reference import reference_exact
+
 from conftest import PROMPTS, make_lm
-from mars_demo import exact
-from mars_demo.batching import collect_batch, stream_batch
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
-from mars_demo.reference import reference_exact
 
 MAX_NEW = 32
 BLOCKS = (2, 4, 8)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import app
-from mars_demo.config import DecodeConfig
-from mars_demo.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
 from mars_demo.ui.handlers import BUSY, DemoHandlers
 from mars_demo.ui.messages import error, for_client, is_api, sentence
 from mars_demo.ui.models import ModelBusy, ModelCache, ModelPolicy, ModelRefused, model_choices
@@ -233,9 +233,9 @@ def free_port() -> int:
 
 
 def test_served_app_through_the_api(spy_loader, tmp_path, monkeypatch):
+    import httpx
     from gradio_client import Client
     from gradio_client.exceptions import AppError
-    import httpx
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     demo = app.build_demo(spy_loader, policy=CLOSED, traces=TraceStore(tmp_path / "traces"))

@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mars_demo import cli
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import collect, stream
-from mars_demo.loading import load_model
-from mars_demo.training import (
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import collect, stream
+from mars_demo.engine.loading import load_model
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.research.training import (
     Example, TrainConfig, causal_lm, collate, epoch_batches, hidden_states, load_examples, mars_attention_mask,
     mars_loss, micro_batches, model_mask, noisy_start, train, validate,
 )

@@ -1,7 +1,7 @@
 """``eval``: MARS at several tau against its tau = 1.0 output, the AR decoder and the base model.
 
 Prints one table row per tau and writes the full report (figures, definitions,
-every output) as JSON with ``--out``. The figures are defined in mars_demo/evaluation.py.
+every output) as JSON with ``--out``. The figures are defined in mars_demo/research/evaluation.py.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument
-from ..data import read_prompts
-from ..evaluation import DEFAULT_TAUS, EvalConfig, evaluate
-from ..loading import BUNDLED_BASE, default_precision, load_model
+from ..engine.loading import BUNDLED_BASE, default_precision, load_model
+from ..research.data import read_prompts
+from ..research.evaluation import DEFAULT_TAUS, EvalConfig, evaluate
 
 HELP = "evaluate MARS speed and quality per tau against tau = 1.0, the AR decoder and the base model"
 DEFAULTS = EvalConfig()

@@ -1,4 +1,4 @@
-"""``train``: MARS fine-tuning of a base model on distilled JSONL data (see mars_demo/training.py)."""
+"""``train``: MARS fine-tuning of a base model on distilled JSONL data (see mars_demo/research/training.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import warnings
 from pathlib import Path
 
 from ..cli import UserError
-from ..data import read_jsonl
-from ..evaluation import NGRAM, repetition
-from ..loading import BUNDLED_BASE, load_model
-from ..training import OBJECTIVES, Example, TrainConfig, load_examples, train
+from ..engine.loading import BUNDLED_BASE, load_model
+from ..research.data import read_jsonl
+from ..research.evaluation import NGRAM, repetition
+from ..research.training import OBJECTIVES, Example, TrainConfig, load_examples, train
 
 HELP = "fine-tune a base model for MARS (LoRA by default) on a distilled JSONL file"
 DEFAULTS = TrainConfig()

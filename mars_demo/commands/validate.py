@@ -5,7 +5,7 @@ the held-out losses, how often the model's greedy choice is still the row's toke
 (on rows distilled from the base: agreement with the base), and, per tau, the tokens
 a decoding pass would accept at every full block with the share of its extra tokens
 that match the row; beside them, how sure the AR head itself is of the row's tokens
-(which soft-bounds what the masks can accept). See ``mars_demo.training.Validation``;
+(which soft-bounds what the masks can accept). See ``mars_demo.research.training.Validation``;
 ``train --val-data`` logs the same figures during training.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..cli import UserError, add_model_argument, add_precision_argument
-from ..config import check_tau
-from ..loading import load_model
-from ..training import TrainConfig, validate
+from ..engine.config import check_tau
+from ..engine.loading import load_model
+from ..research.training import TrainConfig, validate
 from .eval import parse_taus
 from .train import read_distilled
 

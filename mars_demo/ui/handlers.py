@@ -28,16 +28,16 @@ from pathlib import Path
 
 import gradio as gr
 
-from .. import charts
-from ..config import DecodeConfig
-from ..decoding import generate
-from ..loading import load_for_decoding
-from ..sweep import frontier, plan, sweep_runs
+from ..engine.config import DecodeConfig
+from ..engine.decoding import generate
+from ..engine.loading import load_for_decoding
+from . import charts
 from .messages import error, sentence, warning
 from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note
 from .race import RaceTrace, Session, interleave
-from .traces import TraceStore, stem
 from .render import ar_pane, mars_pane, model_message, model_status
+from .sweep import frontier, plan, sweep_runs
+from .traces import TraceStore, stem
 
 logger = logging.getLogger(__name__)
 

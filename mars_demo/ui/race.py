@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..charts import speedup, summarize
-from ..config import DecodeConfig
-from ..decoding import LiveTau, StepEvent
-from ..loading import BUNDLED
+from ..engine.config import DecodeConfig
+from ..engine.decoding import LiveTau, StepEvent
+from ..engine.loading import BUNDLED
+from .charts import speedup, summarize
 
 SIDES = ("mars", "ar")
 CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences")

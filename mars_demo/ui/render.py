@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from html import escape
 
-from ..charts import PASS_COLORS, summarize
-from ..decoding import StepEvent
-from ..exact import AR, DRAFT, MASK
+from ..engine.decoding import StepEvent
+from ..engine.exact import AR, DRAFT, MASK
+from .charts import PASS_COLORS, summarize
 
 SHADES = 4  # passes accepting 1, 2, 3, 4+ tokens get deeper shades
 ORIGIN_TIPS = {AR: "the AR head's token", DRAFT: "draft verified by the AR head", MASK: "mask accepted on confidence"}

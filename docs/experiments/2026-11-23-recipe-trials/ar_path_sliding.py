@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from mars_demo.loading import load_model
+from mars_demo.engine.loading import load_model
 
 BLOCK = 4
 rows = [json.loads(line) for line in open("assets/data/heldout_val64.jsonl")]

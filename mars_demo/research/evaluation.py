@@ -45,10 +45,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .config import DecodeConfig, check_tau, resolve_max_fed
-from .data import prompt_ids
-from .decoding import collect, stream
-from .loading import LoadedModel
+from ..engine.config import DecodeConfig, check_tau, resolve_max_fed
+from ..engine.decoding import collect, stream
+from ..engine.loading import LoadedModel
+from ..engine.prompts import prompt_ids
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ MAX_COST_SHARE = 1.15
 # auto never picks a path whose teacher-forced NLL on the calibration texts exceeds fp32's by more.
 DNLL_LIMIT = 0.03
 # Calibration: CALIBRATION_TEXT and the first rows of held-out chat answers (none trained on).
-CALIBRATION_FILE = Path(__file__).resolve().parent.parent / "assets" / "data" / "heldout_val64.jsonl"
+CALIBRATION_FILE = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_val64.jsonl"
 CALIBRATION_ROWS = 4
 # Passes up to this many rows attend row by row; longer ones (prefills) in one call,
 # the same for every decoder, so they need no row-exactness.

@@ -348,8 +348,8 @@ def validate(
     *, taus: tuple[float, ...] = (VAL_TAU,), batch_size: int = 8, step: int = 0,
 ) -> list[Validation]:
     """Losses, argmax agreement and, per tau, an acceptance estimate on ``examples`` (see ``Validation``)."""
-    from .acceptance import accept_count
-    from .config import check_tau
+    from ..engine.acceptance import accept_count
+    from ..engine.config import check_tau
 
     if not examples:
         raise ValueError("no validation examples")
@@ -564,7 +564,7 @@ def save_model(model, lm, out_dir: Path, base_spec: str, block_size: int) -> Non
         state = {k: halves.setdefault(v.data_ptr(), v.detach().half()) for k, v in inner.state_dict().items()}
         inner.save_pretrained(str(out_dir), state_dict=state)
         lm.tokenizer.save_pretrained(str(out_dir))
-    from .loading import MarsMeta
+    from ..engine.loading import MarsMeta
 
     MarsMeta(block_size=block_size, mask_token_id=lm.meta.mask_token_id, mask_token=lm.meta.mask_token).save(out_dir)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .decoding import StepEvent
+from ..engine.decoding import StepEvent
 
 if TYPE_CHECKING:
     from .sweep import FrontierPoint

@@ -23,8 +23,8 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from . import exact
 from .acceptance import accept_count, choose, confidence
 from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
-from .data import prompt_ids
 from .loading import LoadedModel
+from .prompts import prompt_ids
 
 
 class LiveTau:

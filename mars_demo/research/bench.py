@@ -40,14 +40,14 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .batching import collect_batch, stream_batch
-from .batching.rows import left_pad
-from .config import DecodeConfig, check_tau, resolve_max_fed
-from .data import prompt_ids
-from .decoding import collect, eos_ids, stream
+from ..engine.batching import collect_batch, stream_batch
+from ..engine.batching.rows import left_pad
+from ..engine.config import DecodeConfig, check_tau, resolve_max_fed
+from ..engine.decoding import collect, eos_ids, stream
+from ..engine.kernels import cpu_model
+from ..engine.loading import LoadedModel
+from ..engine.prompts import prompt_ids
 from .evaluation import Scorer, pooled_nll, prefix_agreement
-from .kernels import cpu_model
-from .loading import LoadedModel
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .loading import LoadedModel
+from ..engine.loading import LoadedModel
+from ..engine.prompts import prompt_ids, user_turn_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -35,22 +36,6 @@ OPENERS = (
     "Plan a", "Rewrite the following sentence", "Define", "Who was", "When did", "Outline",
     "Brainstorm", "Write a product description", "Write a tweet", "Should I", "Is it true that",
 )
-
-
-def user_turn_prefix(tokenizer) -> str:
-    """The chat template rendered up to the point where the user's words begin."""
-    sentinel = "\u2063SENTINEL\u2063"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
-    return text[: text.index(sentinel)]
-
-
-def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """Token ids of a prompt (a string or chat messages) under the chat template."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
 
 def _usable(text: str) -> bool:

@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import VERIFYING_MODES, DecodeConfig
-from ..data import prompt_ids
 from ..decoding import LiveTau, eos_ids
 from ..loading import LoadedModel
+from ..prompts import prompt_ids
 from .block import block_passes
 from .events import BatchEvent, BatchGeneration, BatchStats, RowStep, collect_batch
 from .token import token_passes

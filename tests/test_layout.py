@@ -1,0 +1,69 @@
+"""The package's rooms: the engine sits at the bottom and imports neither research, ui, Gradio nor plotly."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mars_demo"
+ENGINE = PACKAGE / "engine"
+FORBIDDEN = ("mars_demo.research", "mars_demo.ui", "mars_demo.commands", "mars_demo.cli", "gradio", "plotly")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of every module ``path`` imports, at any depth (lazy imports included)."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+ENGINE_FILES = sorted(ENGINE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_engine_source_imports_nothing_above_it(path):
+    bad = sorted(name for name in _imports(path) if name.startswith(FORBIDDEN))
+    assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+
+
+def test_importing_the_engine_loads_nothing_above_it():
+    modules = [_module_name(p) for p in ENGINE_FILES]
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "mars_demo.engine.decoding" in loaded
+    bad = [name for name in loaded if name.startswith(FORBIDDEN)]
+    assert not bad, f"importing the engine loaded {bad}"
+
+
+def test_every_room_exists_and_the_root_holds_no_loose_modules():
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert {"engine", "research", "ui", "commands"} <= rooms
+    loose = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "cli.py"], loose
