@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine.loading import LoadedModel
-from ..engine.prompts import prompt_ids, user_turn_prefix
+from ..engine.prompts import pad_id, prompt_ids, user_turn_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def sample_prompts(
             ids = ids.to(model.device).repeat(batch_size, 1)  # same opener per batch: no padding
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_p=0.95,
-                max_new_tokens=max_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                max_new_tokens=max_tokens, eos_token_id=tok.eos_token_id, pad_token_id=pad_id(tok),
             )
             for row in out[:, ids.shape[1]:].tolist():
                 if tok.eos_token_id not in row:
@@ -125,7 +125,7 @@ def distill(
     done = {row["prompt"] for row in read_jsonl(out_path)}
     todo = [p for p in dict.fromkeys(prompts) if p not in done]
     encoded = sorted(((p, prompt_ids(tok, p)) for p in todo), key=lambda item: len(item[1]))
-    pad = tok.pad_token_id
+    pad = pad_id(tok)
     written = 0
     with open(out_path, "a", encoding="utf-8") as sink, tqdm(total=len(encoded), desc="distill") as bar:
         for batch in _batches(encoded, batch_size):
