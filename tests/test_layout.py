@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -46,6 +47,13 @@ def test_engine_source_imports_nothing_above_it(path):
     assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
 
 
+@pytest.mark.parametrize("room, other", [("research", "ui"), ("ui", "research")])
+def test_research_and_ui_do_not_import_each_other(room, other):
+    for path in sorted((PACKAGE / room).rglob("*.py")):
+        bad = sorted(name for name in _imports(path) if name.startswith(f"mars_demo.{other}"))
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+
+
 def test_importing_the_engine_loads_nothing_above_it():
     modules = [_module_name(p) for p in ENGINE_FILES]
     code = (
@@ -53,7 +61,7 @@ def test_importing_the_engine_loads_nothing_above_it():
         f"for name in {modules!r}: importlib.import_module(name)\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                             cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stderr
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
@@ -67,3 +75,26 @@ def test_every_room_exists_and_the_root_holds_no_loose_modules():
     assert {"engine", "research", "ui", "commands"} <= rooms
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert loose == ["__init__.py", "__main__.py", "cli.py"], loose
+
+
+MAX_FUNCTION_LINES = 60  # README: functions about 60 lines at most (docstring and decorators included)
+
+
+def test_functions_are_short():
+    sources = sorted(PACKAGE.rglob("*.py")) + [PACKAGE.parent / "app.py"]
+    long = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="pip install -r requirements.txt (ruff)")
+def test_ruff_is_clean():
+    """The README's check: ruff's default rules at line length 120 (pyproject.toml)."""
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], capture_output=True, text=True,
+                            timeout=120, check=False, cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
