@@ -1,4 +1,4 @@
-"""Acceptance on hand-made confidences: the rule of METHOD.md, for all three metrics."""
+"""Acceptance on hand-made confidences: the rule of docs/METHOD.md, for all three metrics."""
 
 from __future__ import annotations
 

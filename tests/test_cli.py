@@ -105,6 +105,6 @@ def test_training_commands_need_neither_plotly_nor_gradio():
         "    except SystemExit as done:\n"
         "        assert done.code == 0, command\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--max-repeat" in result.stdout

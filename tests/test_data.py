@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-
 from mars_demo.cli import main
 from mars_demo.commands import data as data_command
 from mars_demo.research.data import read_jsonl

@@ -1,4 +1,4 @@
-"""Exact and hybrid modes (docs/METHOD-exact.md): greedy AR's output token for token, cached == uncached.
+"""Exact and hybrid modes (docs/METHOD.md, "Exact and hybrid modes"): greedy AR's output token for token, cached == uncached.
 
 A random model's masks almost never guess the AR token, so most tests also run on a
 "drafty" copy: a bias on the LM head towards four tokens makes the masks' guesses
