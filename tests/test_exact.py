@@ -1,4 +1,4 @@
-"""Exact and hybrid modes (docs/METHOD-exact.md): greedy AR's output token for token, cached == uncached.
+"""Exact and hybrid modes (docs/METHOD.md, "Exact and hybrid modes"): greedy AR's output token for token, cached == uncached.
 
 A random model's masks almost never guess the AR token, so most tests also run on a
 "drafty" copy: a bias on the LM head towards four tokens makes the masks' guesses
@@ -12,13 +12,14 @@ import re
 import pytest
 import torch
 
+from mars_demo.engine import exact
+from mars_demo.engine.batching import collect_batch, stream_batch
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.reference import reference_exact
+
 from conftest import PROMPTS, make_lm
-from mars_demo import exact
-from mars_demo.batching import collect_batch, stream_batch
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
-from mars_demo.reference import reference_exact
 
 MAX_NEW = 32
 BLOCKS = (2, 4, 8)
@@ -214,7 +215,7 @@ def test_draft_depth_follows_the_cost_curve_and_the_drafts_held():
 
 
 def test_exact_on_a_steep_curve_feeds_narrower_passes_and_stays_exact(lm, monkeypatch):
-    from mars_demo.kernels import ComputePath
+    from mars_demo.engine.kernels import ComputePath
 
     widths = []
     hook = lm.model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)

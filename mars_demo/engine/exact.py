@@ -1,4 +1,4 @@
-"""Exact mode: the masks draft, the next pass verifies (docs/METHOD-exact.md).
+"""Exact mode: the masks draft, the next pass verifies (docs/METHOD.md, "Exact and hybrid modes").
 
 A verifying pass feeds [pending | drafts | L masks | L fallback masks], L = B - 1.
 The AR outputs at the newest pending token and at each draft check the drafts;
