@@ -7,16 +7,16 @@ import json
 import gradio as gr
 import pytest
 
-from mars_demo import memory
-from mars_demo.loading import BUNDLED, RELEASED
-from mars_demo.memory import (
+from mars_demo.engine import memory
+from mars_demo.engine.loading import BUNDLED, RELEASED
+from mars_demo.engine.memory import (
     ModelTooLarge,
     available_bytes,
     check_fits,
     needed_bytes,
     parameter_count,
 )
-from mars_demo.ui.handlers import DemoHandlers
+from mars_demo.ui.handlers import MODEL_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.models import ModelPolicy, model_choices
 from mars_demo.ui.race import Session
 
@@ -93,8 +93,9 @@ def test_the_app_refuses_a_model_that_would_not_fit_before_loading_it(tiny_llama
     monkeypatch.setenv(memory.MARGIN_ENV, str(free / 2**20))  # the margin leaves no room
     session = Session()
     with pytest.warns(UserWarning, match="GB of memory"):
-        *_, (status, picker, _) = handlers.show_model(str(folder), session)
-    assert "GB of memory" in status and "Still serving smollm2-135m-mars" in status and picker["value"] == BUNDLED
+        *_, last = handlers.show_model(str(folder), session)
+    status, picker = named(MODEL_OUTPUTS, last)["model_line"], named(MODEL_OUTPUTS, last)["model"]
+    assert "GB of memory" in status and "Still serving smollm2-135m-mars" in status and picker == BUNDLED
     with pytest.raises(gr.Error, match="pick a smaller one") as err:
         next(handlers.run(PROMPT, str(folder), 0.9, 4, 8, "probability", 0.0, False, True, session))
     assert err.value.title == "Model not loaded"

@@ -14,7 +14,7 @@ use is never dropped: loading another spec drops the least recently used idle mo
 and when every slot is in use the load is refused (``ModelBusy``) instead. Decoding
 needs no lock: a forward pass does not change the model, and each generation keeps
 its own KV cache. Before a load, ``guard(spec)`` may refuse it (the app's guard is
-``memory.check_fits``: a model that would not fit in the free memory is never loaded).
+``engine.memory.check_fits``: a model that would not fit in the free memory is never loaded).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
+from ..engine.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class ModelCache:
         if capacity < 1:
             raise ValueError(f"the model cache holds at least one model, got capacity {capacity}")
         self._loader = loader
-        self._guard = guard  # raises to refuse a load (memory.check_fits), called before the loader
+        self._guard = guard  # raises to refuse a load (engine.memory.check_fits), called before the loader
         self._capacity = capacity
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self._users: Counter[str] = Counter()  # runs decoding with each spec right now
