@@ -25,6 +25,7 @@ from .acceptance import accept_count, choose, confidence
 from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .data import prompt_ids
 from .loading import LoadedModel
+from .placement import SeededGenerator, input_device
 
 
 class LiveTau:
@@ -194,9 +195,9 @@ def decode_passes(
     if verifying and temperature > 0:
         raise ValueError(EXACT_IS_GREEDY)
     check_prompt(model, len(prompt), lookahead(window, verifying))
-    device = model.device
+    device = input_device(model)  # inputs follow the first layer; logits come back from the last (placement.py)
     max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - lookahead(window, verifying) + 1)
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    generator = SeededGenerator(seed)
     masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
@@ -218,7 +219,7 @@ def decode_passes(
                 width = capped_width(width, len(pending), max_fed)
             fed_ids = torch.tensor([pending], dtype=torch.long, device=device)
             logits = forward_window(model, cache, torch.cat([fed_ids, masks[:, : width - 1]], dim=1), width)
-            tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator)
+            tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator.on(logits.device))
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
             if width > 1:
                 cache.crop(-(width - 1))  # drop the masks; accepted tokens are fed next pass

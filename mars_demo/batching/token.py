@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from .. import exact
 from ..config import EXACT_IS_GREEDY
 from ..decoding import LiveTau
+from ..placement import SeededGenerator
 from .events import BatchEvent, RowStep
 from .rows import PaddedCache, RowBook, Window, accept_rows, left_pad, limit_new_tokens
 
@@ -105,7 +106,7 @@ def token_passes(
         raise ValueError(EXACT_IS_GREEDY)
     B, R = block_size, len(prompts)
     max_new_tokens = limit_new_tokens(model, prompts, max_new_tokens, 2 * B if verifying else B)
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    generator = SeededGenerator(seed)  # on the logits' device (placement.py)
     book = RowBook(R, max_new_tokens, set(stop_ids))
     kv = PaddedCache(model, R)
     active = list(range(R))  # rows still decoding, in cache order
@@ -123,7 +124,9 @@ def token_passes(
             window = slide([pending[r] for r in active], [next_pos[r] for r in active], [book.room(r) for r in active], width, mask_id, pad_id)
             logits = kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
             kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
-            tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
+            tokens, confs = accept_rows(
+                logits, window.start, window.cap, tau_now, metric, temperature, generator.on(logits.device)
+            )
             steps, fed = book.commit_all(active, tokens, confs), window.width
             for r in active:
                 next_pos[r] += len(pending[r])
