@@ -296,8 +296,8 @@ def resolve_meta(
 def _load_plain(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
     config = _stock_config(spec, trust_remote_code)
     kwargs: dict = {"config": config, "dtype": dtype, "trust_remote_code": trust_remote_code}
-    if device.type == "cuda":
-        kwargs["device_map"] = "auto"  # accelerate spreads a model too large for one GPU
+    if device.type == "cuda":  # "cuda": accelerate spreads a model too large for one GPU; "cuda:N": that GPU only
+        kwargs["device_map"] = "auto" if device.index is None else {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)

@@ -496,11 +496,47 @@ def describe(config: TrainConfig) -> dict:
     return asdict(config) | {"lora_alpha": config.alpha if config.lora_rank else None}
 
 
-def total_steps(n_examples: int, config: TrainConfig) -> int:
+def total_steps(n_examples: int, config: TrainConfig, processes: int = 1) -> int:
+    """Optimizer steps of a run; each takes ``grad_accum`` micro-batches on each of ``processes``."""
     if config.max_steps is not None:
         return config.max_steps
     per_epoch = math.ceil(n_examples / config.batch_size)
-    return max(1, math.ceil(config.epochs * per_epoch / config.grad_accum))
+    return max(1, math.ceil(config.epochs * per_epoch / (config.grad_accum * processes)))
+
+
+class MarsObjective(torch.nn.Module):
+    """``mars_loss`` as a module: accelerate's DDP wrapper must see the forward that uses the weights.
+
+    (``hidden_states`` calls the decoder and the output embeddings directly, not the model's forward.)
+    Returns the stacked (loss, noisy_loss, ar_loss).
+    """
+
+    def __init__(self, model: torch.nn.Module, ar_weight: float) -> None:
+        super().__init__()
+        self.model = model
+        self.ar_weight = ar_weight
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return torch.stack(mars_loss(self.model, batch, self.ar_weight))
+
+
+def make_accelerator(device: torch.device):
+    """One process as today, or one of ``accelerate launch``'s (DDP; mixed precision as launched).
+
+    A model loaded on the CPU trains on the CPU even where a GPU is present. Unused
+    parameters are allowed: the mask row's delta gets no gradient under ``--objective ar``.
+    """
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    return Accelerator(cpu=device.type == "cpu",
+                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+
+
+def shard(stream: Iterator[list[int]], accelerator) -> Iterator[list[int]]:
+    """This process's micro-batches: of every ``num_processes`` in a row of the shared stream, the ``process_index``-th."""
+    while True:
+        group = [next(stream) for _ in range(accelerator.num_processes)]
+        yield group[accelerator.process_index]
 
 
 def hardware(device: torch.device) -> str:
@@ -668,46 +704,55 @@ def train(
         raise ValueError("no training examples")
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    device = lm.model.device
+    accelerator = make_accelerator(lm.model.device)
+    device, main, processes = accelerator.device, accelerator.is_main_process, accelerator.num_processes
     torch.manual_seed(config.seed)
-    model = attach_lora(lm.model.float(), config, lm.meta.mask_token_id, init_adapter)
+    model = attach_lora(lm.model.float().to(device), config, lm.meta.mask_token_id, init_adapter)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    steps = total_steps(len(examples), config)
-    scheduler = cosine_schedule(optimizer, steps, config.warmup)
+    steps = total_steps(len(examples), config, processes)
+    scheduler = cosine_schedule(optimizer, steps, config.warmup)  # stepped once per optimizer step, not prepared
+    objective, optimizer = accelerator.prepare(MarsObjective(model, config.ar_weight), optimizer)
     step, seconds = 0, 0.0
     if saved is not None:
+        if saved.get("processes", 1) != processes:  # the data stream's offset counts them
+            raise ValueError(f"this checkpoint was written by {saved.get('processes', 1)} processes: resume with as many")
         load_trainable_state(model, saved["trainable"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         _set_rng_state(saved["rng"])
         step, seconds = saved["step"], saved["seconds"]
     history = read_history(out_dir / LOSS_LOG, step)
-    _write_history(out_dir / LOSS_LOG, history)  # drops steps logged after the checkpoint
     val_history = read_history(out_dir / VAL_LOG, step, Validation)
-    if (out_dir / VAL_LOG).is_file():
-        _write_history(out_dir / VAL_LOG, val_history)
+    if main:
+        _write_history(out_dir / LOSS_LOG, history)  # drops steps logged after the checkpoint
+        if (out_dir / VAL_LOG).is_file():
+            _write_history(out_dir / VAL_LOG, val_history)
     n_params = sum(p.numel() for p in params)
     logger.info("training %d of %d parameters for %d steps on %d examples", n_params,
                 sum(p.numel() for p in model.parameters()), steps, len(examples))
 
     pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     lengths = [len(ex) for ex in examples]
-    stream = micro_batches(lengths, config.batch_size, config.seed, start=step * config.grad_accum)
+    stream = shard(micro_batches(lengths, config.batch_size, config.seed, start=step * config.grad_accum * processes),
+                   accelerator)
     payload = lambda: {  # noqa: E731
         "step": step, "seconds": seconds, "config": asdict(config), "examples": len(examples),
         "digest": examples_digest(examples), "base": base_spec, "data": data_path, "init_adapter": started_from,
+        "processes": processes,
     }
 
     def checkpoint() -> None:
+        if not main:
+            return
         save_checkpoint(ckpt_dir, model, optimizer, scheduler, payload())
         save_model(model, lm, out_dir, base_spec, config.block_size)
         if history:
             plot_losses(history, out_dir / "loss.png", val_history)
 
     def measure() -> None:
-        if not val_examples or any(v.step == step for v in val_history):
+        if not main or not val_examples or any(v.step == step for v in val_history):
             return
         result, = validate(model, val_examples, lm.meta.mask_token_id, pad_id, config.block_size, step=step)
         val_history.append(result)
@@ -717,7 +762,7 @@ def train(
 
     if step == 0:
         measure()  # the starting point
-    bar = tqdm(total=steps, initial=step, desc="train", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=steps, initial=step, desc="train", disable=not (progress and main), dynamic_ncols=True)
     try:
         while step < steps and (stop_after is None or step < stop_after):
             started = torch_time()
@@ -727,20 +772,21 @@ def train(
                 batch = collate([examples[i] for i in next(stream)], lm.meta.mask_token_id, pad_id, config.block_size,
                                 noisy=config.objective == "mars")
                 with cuda_autocast(device):
-                    loss, noisy_loss, ar_loss = mars_loss(model, batch.to(device), config.ar_weight)
-                (loss / config.grad_accum).backward()
-                sums += torch.stack([loss, noisy_loss, ar_loss]).detach().float() / config.grad_accum
-            torch.nn.utils.clip_grad_norm_(params, config.clip)
+                    losses = objective(batch.to(device))  # (loss, noisy_loss, ar_loss)
+                accelerator.backward(losses[0] / config.grad_accum)
+                sums += losses.detach().float() / config.grad_accum
+            accelerator.clip_grad_norm_(params, config.clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             step += 1
             seconds += torch_time() - started
-            total, noisy, ar = sums.tolist()  # the one host sync per step
+            total, noisy, ar = accelerator.gather(sums[None]).mean(dim=0).tolist()  # every process's; one sync
             log = StepLog(step, round(total, 5), round(noisy, 5), round(ar, 5), lr, round(seconds, 2))
             history.append(log)
-            with open(out_dir / LOSS_LOG, "a") as sink:
-                sink.write(json.dumps(asdict(log)) + "\n")
+            if main:
+                with open(out_dir / LOSS_LOG, "a") as sink:
+                    sink.write(json.dumps(asdict(log)) + "\n")
             bar.update(1)
             bar.set_postfix(loss=f"{total:.3f}", noisy=f"{noisy:.3f}", ar=f"{ar:.3f}", lr=f"{lr:.2e}")
             if step % val_every == 0 or step == steps:
@@ -754,12 +800,13 @@ def train(
     finally:
         bar.close()
 
-    if step == steps:
+    if step == steps and main:
         summary = describe(config) | {
             "data": data_path, "init_adapter": started_from, "examples": len(examples), "steps": step,
-            "epochs": round(step * config.grad_accum * config.batch_size / len(examples), 3),
+            "epochs": round(step * config.grad_accum * config.batch_size * processes / len(examples), 3),
             "wall_seconds": round(seconds, 1), "seconds_per_step": round(seconds / max(step, 1), 3),
-            "hardware": hardware(device), "base": base_spec, "mask_token": lm.meta.mask_token,
+            "hardware": hardware(device) if processes == 1 else f"{processes} processes x {hardware(device)}",
+            "base": base_spec, "mask_token": lm.meta.mask_token,
             "mask_token_id": lm.meta.mask_token_id, "trainable_parameters": n_params,
             "final_loss": _tail_mean(history, "loss"), "final_noisy_loss": _tail_mean(history, "noisy_loss"),
             "final_ar_loss": _tail_mean(history, "ar_loss"),
