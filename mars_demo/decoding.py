@@ -18,10 +18,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import exact
 from .acceptance import accept_count, choose, confidence
+from .compiled import compiled_forward, new_cache, rewind
 from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .data import prompt_ids
 from .loading import LoadedModel
@@ -133,9 +134,12 @@ def check_prompt(model: PreTrainedModel, n_prompt: int, window: int) -> None:
         raise ValueError(f"the prompt is {n_prompt} tokens; this model's context is {limit} tokens")
 
 
-def forward_window(model: PreTrainedModel, cache: DynamicCache, fed: torch.Tensor, window: int) -> torch.Tensor:
-    """Run one cached forward pass over ``fed`` (1, n); logits (window, vocab) of its last ``window`` positions."""
-    out = model(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=window)
+def forward_window(model: PreTrainedModel, cache: Cache, fed: torch.Tensor, window: int, call=None) -> torch.Tensor:
+    """Run one cached forward pass over ``fed`` (1, n); logits (window, vocab) of its last ``window`` positions.
+
+    ``call``: the forward to run (compiled.py's compiled one), else the model.
+    """
+    out = (call or model)(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=window)
     return out.logits[0]
 
 
@@ -199,7 +203,10 @@ def decode_passes(
     max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - lookahead(window, verifying) + 1)
     generator = SeededGenerator(seed)
     masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=device)
-    cache = DynamicCache(config=model.config)
+    # compiled.py: a model compiled for decoding runs MARS / AR passes after the prefill compiled, on a static cache
+    compiled = None if verifying else compiled_forward(model)
+    cache = DynamicCache(config=model.config) if verifying else new_cache(model, len(prompt) + max_new_tokens + window)
+    length = 0  # the cache's committed length (MARS / AR passes), kept here: no host sync to read it
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
     drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
     produced = 0
@@ -218,11 +225,12 @@ def decode_passes(
             if width > 1 and max_fed is not None and produced:
                 width = capped_width(width, len(pending), max_fed)
             fed_ids = torch.tensor([pending], dtype=torch.long, device=device)
-            logits = forward_window(model, cache, torch.cat([fed_ids, masks[:, : width - 1]], dim=1), width)
+            fed = torch.cat([fed_ids, masks[:, : width - 1]], dim=1)
+            logits = forward_window(model, cache, fed, width, compiled if length else None)  # the prefill: eager
             tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator.on(logits.device))
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
-            if width > 1:
-                cache.crop(-(width - 1))  # drop the masks; accepted tokens are fed next pass
+            rewind(cache, width - 1)  # drop the masks; accepted tokens are fed next pass
+            length += len(pending)
             pending = tokens
         tokens = tokens[: max_new_tokens - produced]
         finish = None
@@ -234,7 +242,8 @@ def decode_passes(
         if finish is None and produced >= max_new_tokens:
             finish = "length"
         seconds = time.perf_counter() - started
-        yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length())
+        cached = cache.get_seq_length() if verifying else length
+        yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cached)
         if finish:
             return
 

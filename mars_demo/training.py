@@ -533,7 +533,7 @@ def make_accelerator(device: torch.device):
 
 
 def shard(stream: Iterator[list[int]], accelerator) -> Iterator[list[int]]:
-    """This process's micro-batches: of every ``num_processes`` in a row of the shared stream, the ``process_index``-th."""
+    """This process's share of the shared stream: of each ``num_processes`` micro-batches, the ``process_index``-th."""
     while True:
         group = [next(stream) for _ in range(accelerator.num_processes)]
         yield group[accelerator.process_index]
@@ -717,7 +717,8 @@ def train(
     step, seconds = 0, 0.0
     if saved is not None:
         if saved.get("processes", 1) != processes:  # the data stream's offset counts them
-            raise ValueError(f"this checkpoint was written by {saved.get('processes', 1)} processes: resume with as many")
+            written = saved.get("processes", 1)
+            raise ValueError(f"this checkpoint was written by {written} processes: resume with as many")
         load_trainable_state(model, saved["trainable"])
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])

@@ -93,7 +93,8 @@ def test_processes_deal_out_the_shared_stream_in_turn():
     lengths = list(range(10, 30))
     shared = micro_batches(lengths, 2, seed=0)
     expected = [next(shared) for _ in range(8)]
-    ranks = [shard(micro_batches(lengths, 2, seed=0), SimpleNamespace(num_processes=2, process_index=r)) for r in (0, 1)]
+    ranks = [shard(micro_batches(lengths, 2, seed=0), SimpleNamespace(num_processes=2, process_index=rank))
+             for rank in (0, 1)]
     dealt = [next(ranks[step % 2]) for step in range(8)]
     assert dealt == expected
     config = TrainConfig(batch_size=2, grad_accum=2, epochs=2)
