@@ -33,10 +33,17 @@ from pathlib import Path
 
 import gradio as gr
 
-from mars_demo.config import METRICS, RANGES, DecodeConfig
-from mars_demo.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
+from mars_demo.engine.config import METRICS, RANGES, DecodeConfig
+from mars_demo.engine.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
-from mars_demo.ui.handlers import SWEEP_COLUMNS, DemoHandlers, empty_figures
+from mars_demo.ui.handlers import (
+    MODEL_OUTPUTS,
+    RACE_OUTPUTS,
+    SWEEP_COLUMNS,
+    SWEEP_OUTPUTS,
+    DemoHandlers,
+    empty_figures,
+)
 from mars_demo.ui.models import Loader, ModelPolicy
 from mars_demo.ui.race import Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
@@ -47,6 +54,8 @@ DEFAULTS = DecodeConfig()
 SWEEP_TAUS = (0.99, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.3)
 SWEEP_DEFAULT_TAUS = [0.95, 0.9, 0.8, 0.7, 0.5]
 SWEEP_MAX_NEW_TOKENS = 64
+PLOT_IDS = {"time_plot": "chart-time", "pass_plot": "chart-pass", "hist_plot": "chart-hist",
+            "summary_plot": "chart-summary"}
 
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="teal", neutral_hue="slate")
 CSS = """
@@ -94,6 +103,128 @@ def session_cleanup(traces: TraceStore) -> tuple[Callable, Callable]:
     return forget_session, forget_tab
 
 
+def _sidebar(policy: ModelPolicy) -> dict:
+    """The settings every run reads, by name."""
+    c = {}
+    with gr.Sidebar(label="Settings", width=340):
+        # Custom values always reach the handlers, so the policy refuses them with its one message
+        # (Gradio's own choice check would echo the value and list every choice).
+        c["model"] = gr.Dropdown(
+            choices=list(policy.choices), value=BUNDLED, allow_custom_value=True, label="Model",
+            info="Pick one, or type a local path or hub id." if policy.free else "Pick one.", elem_id="model",
+        )
+        c["model_line"] = gr.HTML(css_template=STATUS_CSS, js_on_load=None, elem_id="model-status")
+        c["mode"] = gr.Radio(
+            [("MARS (confidence)", "mars"), ("Exact (verified)", "exact"), ("Hybrid", "hybrid")], value="mars",
+            label="Decoding", elem_id="mode",
+            info="Exact: the masks' guesses are drafts the next pass verifies, so the text is the AR "
+            "baseline's, in fewer passes (greedy only). Hybrid: confident guesses accepted, the rest verified.",
+        )
+        c["tau"] = _slider(
+            "tau", "tau", DEFAULTS.tau,
+            "Acceptance threshold: lower accepts more tokens per pass. Drag it during a run.", elem_id="tau",
+        )
+        c["block_size"] = _slider("block_size", "Block size", DEFAULT_BLOCK_SIZE, "Candidates per pass (B).",
+                                  elem_id="block-size")
+        c["max_new_tokens"] = _slider("max_new_tokens", "Max new tokens", DEFAULTS.max_new_tokens,
+                                      elem_id="max-new-tokens")
+        c["metric"] = gr.Radio(list(METRICS), value=DEFAULTS.metric, label="Metric", elem_id="metric",
+                               info="probability ≥ tau, entropy ≤ tau, or top-1 minus top-2 margin ≥ tau")
+        c["temperature"] = _slider("temperature", "Temperature", DEFAULTS.temperature, "0 is greedy.",
+                                   elem_id="temperature")
+        c["full_window"] = gr.Checkbox(
+            value=False, label="Full window every pass (as in the paper)", elem_id="full-window",
+            info="Off: on a CPU a pass feeds at most the tokens the measured compute path runs for about the "
+            "cost of one (see the model line); on a GPU always the full window.",
+        )
+        c["with_ar"] = gr.Checkbox(value=True, label="Race against the AR baseline", elem_id="with-ar")
+    return c
+
+
+def _plot(figure, elem_id: str) -> gr.Plot:
+    return gr.Plot(figure, show_label=False, min_width=380, elem_id=elem_id, elem_classes="plot-cell")
+
+
+def _race_tab() -> dict:
+    """The race: prompt, Run / Stop, both panes, four charts and the trace downloads, by name."""
+    c = {}
+    with gr.Row(equal_height=True):
+        c["prompt"] = gr.Textbox(
+            label="Prompt", placeholder="Ask anything, or pick an example below.", lines=2, max_lines=8,
+            scale=5, elem_id="prompt",
+        )
+        with gr.Column(scale=1, min_width=130, elem_id="run-row"):
+            c["run"] = gr.Button("Run", variant="primary", elem_id="run")
+            c["stop"] = gr.Button("Stop", variant="stop", elem_id="stop")
+    with gr.Accordion("Example prompts", open=False):
+        gr.Examples([[p] for p in EXAMPLE_PROMPTS], inputs=[c["prompt"]], examples_per_page=12, label=None)
+    with gr.Row(equal_height=False):
+        with gr.Column(min_width=380):
+            c["mars_pane"] = gr.HTML(mars_pane([]), css_template=PANE_CSS, js_on_load=PANE_JS, elem_id="mars-pane")
+        with gr.Column(min_width=380):
+            c["ar_pane"] = gr.HTML(ar_pane([]), css_template=PANE_CSS, js_on_load=PANE_JS, elem_id="ar-pane")
+    figures = empty_figures()
+    for row in (("time_plot", "pass_plot"), ("hist_plot", "summary_plot")):
+        with gr.Row():
+            for name in row:
+                c[name] = _plot(figures[name], PLOT_IDS[name])
+    with gr.Row():
+        c["json_file"] = gr.DownloadButton("Download trace (JSON)", interactive=False, size="md", elem_id="download-json")
+        c["csv_file"] = gr.DownloadButton("Download trace (CSV)", interactive=False, size="md", elem_id="download-csv")
+    return c
+
+
+def _sweep_tab() -> dict:
+    """The sweep: prompts, taus, Run / Stop, its status, the frontier plot and table, by name."""
+    c = {}
+    gr.Markdown(SWEEP_INTRO)
+    with gr.Row():
+        c["sweep_prompts"] = gr.Dropdown(
+            list(EXAMPLE_PROMPTS), value=list(EXAMPLE_PROMPTS[:4]), multiselect=True, label="Prompts",
+            scale=3, elem_id="sweep-prompts",
+        )
+        with gr.Column(scale=2):
+            c["sweep_taus"] = gr.CheckboxGroup(list(SWEEP_TAUS), value=SWEEP_DEFAULT_TAUS, label="tau values",
+                                               elem_id="sweep-taus")
+            c["sweep_tokens"] = _slider("max_new_tokens", "Max new tokens per run", SWEEP_MAX_NEW_TOKENS,
+                                        elem_id="sweep-tokens")
+    with gr.Row():
+        c["sweep_run"] = gr.Button("Run sweep", variant="primary", elem_id="sweep-run")
+        c["sweep_stop"] = gr.Button("Stop", variant="stop", elem_id="sweep-stop")
+    c["sweep_status"] = gr.HTML("", min_height=70, js_on_load=None, elem_id="sweep-status")
+    c["sweep_plot"] = gr.Plot(show_label=False, elem_id="sweep-plot")
+    c["sweep_table"] = gr.Dataframe(headers=SWEEP_COLUMNS, label="Frontier", interactive=False, elem_id="sweep-table")
+    return c
+
+
+def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, concurrency: int) -> None:
+    """Every event, its inputs and outputs by name; the handlers' outputs come in the order of *_OUTPUTS."""
+    pick = lambda names: [c[n] for n in names]
+    race = pick(RACE_OUTPUTS)
+    for trigger in (demo.load, c["model"].change):
+        trigger(handlers.show_model, [c["model"], session], pick(MODEL_OUTPUTS), concurrency_limit=None,
+                show_progress="minimal")
+    # Never queued behind a run: the running generator reads the new value before its next pass.
+    c["tau"].change(handlers.set_tau, [c["tau"], session], None, concurrency_limit=None, show_progress="hidden",
+                    trigger_mode="always_last")
+    settings = pick(("model", "tau", "block_size", "max_new_tokens", "metric", "temperature", "full_window", "with_ar"))
+    run_event = gr.on(
+        [c["run"].click, c["prompt"].submit], gpu_handler(handlers.run, RUN_SECONDS),
+        [c["prompt"], *settings, session, c["mode"]], race,
+        concurrency_limit=concurrency, concurrency_id="decode",
+        show_progress="minimal", show_progress_on=[c["mars_pane"]],  # queue position and timer, no overlay
+    )
+    c["stop"].click(handlers.stop, [session], race, cancels=[run_event], concurrency_limit=None)
+    sweep_inputs = ("sweep_prompts", "sweep_taus", "sweep_tokens", "model", "block_size", "metric", "temperature",
+                    "full_window")
+    sweep_event = c["sweep_run"].click(
+        gpu_handler(handlers.sweep, SWEEP_SECONDS), pick(sweep_inputs), pick(SWEEP_OUTPUTS),
+        concurrency_limit=concurrency, concurrency_id="decode",
+        show_progress_on=[c["sweep_status"]],  # the frontier stays visible while it grows
+    )
+    c["sweep_stop"].click(None, None, None, cancels=[sweep_event])
+
+
 def build_demo(
     loader: Loader = load_for_decoding,
     *,
@@ -115,114 +246,19 @@ def build_demo(
     with gr.Blocks(title="MARS · multi-token generation", fill_width=True, delete_cache=(3600, 3600)) as demo:
         # A new Session (its own LiveTau) per browser session; its trace files go when the tab closes.
         session = gr.State(lambda: Session(), delete_callback=forget_session)
-
-        with gr.Sidebar(label="Settings", width=340):
-            # Custom values always reach the handlers, so the policy refuses them with its one message
-            # (Gradio's own choice check would echo the value and list every choice).
-            model = gr.Dropdown(
-                choices=list(policy.choices), value=BUNDLED, allow_custom_value=True, label="Model",
-                info="Pick one, or type a local path or hub id." if policy.free else "Pick one.", elem_id="model",
-            )
-            model_line = gr.HTML(css_template=STATUS_CSS, js_on_load=None, elem_id="model-status")
-            mode = gr.Radio(
-                [("MARS (confidence)", "mars"), ("Exact (verified)", "exact"), ("Hybrid", "hybrid")], value="mars",
-                label="Decoding", elem_id="mode",
-                info="Exact: the masks' guesses are drafts the next pass verifies, so the text is the AR "
-                "baseline's, in fewer passes (greedy only). Hybrid: confident guesses accepted, the rest verified.",
-            )
-            tau = _slider(
-                "tau", "tau", DEFAULTS.tau,
-                "Acceptance threshold: lower accepts more tokens per pass. Drag it during a run.", elem_id="tau",
-            )
-            block_size = _slider("block_size", "Block size", DEFAULT_BLOCK_SIZE, "Candidates per pass (B).", elem_id="block-size")
-            max_new_tokens = _slider("max_new_tokens", "Max new tokens", DEFAULTS.max_new_tokens, elem_id="max-new-tokens")
-            metric = gr.Radio(list(METRICS), value=DEFAULTS.metric, label="Metric", elem_id="metric",
-                              info="probability ≥ tau, entropy ≤ tau, or top-1 minus top-2 margin ≥ tau")
-            temperature = _slider("temperature", "Temperature", DEFAULTS.temperature, "0 is greedy.", elem_id="temperature")
-            full_window = gr.Checkbox(
-                value=False, label="Full window every pass (as in the paper)", elem_id="full-window",
-                info="Off: on a CPU a pass feeds at most the tokens the measured compute path runs for about the "
-                "cost of one (see the model line); on a GPU always the full window.",
-            )
-            with_ar = gr.Checkbox(value=True, label="Race against the AR baseline", elem_id="with-ar")
-
+        components = _sidebar(policy)
         gr.Markdown(INTRO, elem_id="title")
         with gr.Tabs():
             with gr.Tab("Race", id="race"):
-                with gr.Row(equal_height=True):
-                    prompt = gr.Textbox(
-                        label="Prompt", placeholder="Ask anything, or pick an example below.", lines=2, max_lines=8,
-                        scale=5, elem_id="prompt",
-                    )
-                    with gr.Column(scale=1, min_width=130, elem_id="run-row"):
-                        run_btn = gr.Button("Run", variant="primary", elem_id="run")
-                        stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-                with gr.Accordion("Example prompts", open=False):
-                    gr.Examples([[p] for p in EXAMPLE_PROMPTS], inputs=[prompt], examples_per_page=12, label=None)
-                with gr.Row(equal_height=False):
-                    with gr.Column(min_width=380):
-                        mars_out = gr.HTML(mars_pane([]), css_template=PANE_CSS, js_on_load=PANE_JS, elem_id="mars-pane")
-                    with gr.Column(min_width=380):
-                        ar_out = gr.HTML(ar_pane([]), css_template=PANE_CSS, js_on_load=PANE_JS, elem_id="ar-pane")
-                figures = empty_figures()
-                with gr.Row():
-                    time_plot = gr.Plot(figures[0], show_label=False, min_width=380, elem_id="chart-time", elem_classes="plot-cell")
-                    pass_plot = gr.Plot(figures[1], show_label=False, min_width=380, elem_id="chart-pass", elem_classes="plot-cell")
-                with gr.Row():
-                    hist_plot = gr.Plot(figures[2], show_label=False, min_width=380, elem_id="chart-hist", elem_classes="plot-cell")
-                    summary_plot = gr.Plot(figures[3], show_label=False, min_width=380, elem_id="chart-summary", elem_classes="plot-cell")
-                with gr.Row():
-                    json_btn = gr.DownloadButton("Download trace (JSON)", interactive=False, size="md", elem_id="download-json")
-                    csv_btn = gr.DownloadButton("Download trace (CSV)", interactive=False, size="md", elem_id="download-csv")
-
+                components |= _race_tab()
             with gr.Tab("Sweep", id="sweep"):
-                gr.Markdown(SWEEP_INTRO)
-                with gr.Row():
-                    sweep_prompts = gr.Dropdown(
-                        list(EXAMPLE_PROMPTS), value=list(EXAMPLE_PROMPTS[:4]), multiselect=True, label="Prompts",
-                        scale=3, elem_id="sweep-prompts",
-                    )
-                    with gr.Column(scale=2):
-                        sweep_taus = gr.CheckboxGroup(list(SWEEP_TAUS), value=SWEEP_DEFAULT_TAUS, label="tau values",
-                                                      elem_id="sweep-taus")
-                        sweep_tokens = _slider("max_new_tokens", "Max new tokens per run", SWEEP_MAX_NEW_TOKENS,
-                                               elem_id="sweep-tokens")
-                with gr.Row():
-                    sweep_btn = gr.Button("Run sweep", variant="primary", elem_id="sweep-run")
-                    sweep_stop = gr.Button("Stop", variant="stop", elem_id="sweep-stop")
-                sweep_status = gr.HTML("", min_height=70, js_on_load=None, elem_id="sweep-status")
-                sweep_plot = gr.Plot(show_label=False, elem_id="sweep-plot")
-                sweep_table = gr.Dataframe(headers=SWEEP_COLUMNS, label="Frontier", interactive=False, elem_id="sweep-table")
-
-        settings = [model, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar]
-        outputs = [mars_out, ar_out, time_plot, pass_plot, hist_plot, summary_plot, json_btn, csv_btn]
-
-        model_outputs = [model_line, model, block_size]
-        demo.load(handlers.show_model, [model, session], model_outputs, concurrency_limit=None, show_progress="minimal")
-        model.change(handlers.show_model, [model, session], model_outputs, concurrency_limit=None, show_progress="minimal")
-        # Never queued behind a run: the running generator reads the new value before its next pass.
-        tau.change(handlers.set_tau, [tau, session], None, concurrency_limit=None, show_progress="hidden",
-                   trigger_mode="always_last")
-
-        race_inputs = [prompt, *settings, session, mode]
-        run_event = gr.on(
-            [run_btn.click, prompt.submit], gpu_handler(handlers.run, RUN_SECONDS), race_inputs, outputs,
-            concurrency_limit=concurrency, concurrency_id="decode",
-            show_progress="minimal", show_progress_on=[mars_out],  # queue position and timer, no overlay
-        )
-        stop_btn.click(handlers.stop, [session], outputs, cancels=[run_event], concurrency_limit=None)
-
-        sweep_event = sweep_btn.click(
-            gpu_handler(handlers.sweep, SWEEP_SECONDS),
-            [sweep_prompts, sweep_taus, sweep_tokens, model, block_size, metric, temperature, full_window],
-            [sweep_status, sweep_plot, sweep_table], concurrency_limit=concurrency, concurrency_id="decode",
-            show_progress_on=[sweep_status],  # the frontier stays visible while it grows
-        )
-        sweep_stop.click(None, None, None, cancels=[sweep_event])
+                components |= _sweep_tab()
+        _wire(demo, handlers, components, session, concurrency)
         demo.unload(forget_tab)
 
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.handlers = handlers  # for tests and notebooks: the model cache and the handlers behind the UI
+    demo.components = components  # every component by name
     return demo
 
 

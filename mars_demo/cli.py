@@ -14,8 +14,8 @@ import pkgutil
 import sys
 
 from . import commands
-from .kernels import PRECISION_ENV, PRECISIONS
-from .loading import BUNDLED, ModelLoadError
+from .engine.kernels import PRECISION_ENV, PRECISIONS
+from .engine.loading import BUNDLED, ModelLoadError
 
 
 class UserError(Exception):

@@ -41,7 +41,10 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from mars_demo.ui.examples import EXAMPLE_PROMPTS as PROMPTS  # noqa: E402 - the sweep picks from these
+from mars_demo.ui.examples import EXAMPLE_PROMPTS as PROMPTS
+from mars_demo.ui.handlers import RACE_OUTPUTS
+
+JSON_FILE = RACE_OUTPUTS.index("json_file")  # the API's outputs come by position
 
 
 def free_port() -> int:
@@ -61,7 +64,7 @@ class Server:
         env = {**os.environ, **env, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(self.port),
                "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
                "MARS_DEMO_TRACE_DIR": str(self.traces)}
-        self.log = open(log, "w")
+        self.log = open(log, "w")  # noqa: SIM115 - the server writes to it until stop() closes it
         self.proc = subprocess.Popen([sys.executable, "app.py"], cwd=app_dir, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.ps = psutil.Process(self.proc.pid)
@@ -232,12 +235,12 @@ class Soak:
             else:
                 outputs = client.predict(api_name="/stop")
         result = job.result(timeout=300)
-        if action == "stop" and outputs[6] and isinstance(outputs[6], dict) and outputs[6].get("value"):
+        if action == "stop" and isinstance(outputs[JSON_FILE], dict) and outputs[JSON_FILE].get("value"):
             result = outputs  # the stopped run's files come from Stop
         self.record(action, started)
         with self.lock:
             self.runs += 1
-        files = result[6]
+        files = result[JSON_FILE]
         if not (isinstance(files, dict) and files.get("value")):
             if action == "stop":
                 return  # stopped before its first pass: nothing to download

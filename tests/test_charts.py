@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import plotly.graph_objects as go
 import pytest
 
-from mars_demo import charts
-from mars_demo.config import DecodeConfig
-from mars_demo.decoding import RunStats, StepEvent
-from mars_demo.sweep import REFERENCE_TAU, FrontierPoint, SweepRun, frontier, plan, sweep_runs
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import RunStats, StepEvent
+from mars_demo.engine.metrics import REFERENCE_TAU, Rates, speedup
+from mars_demo.ui import charts
+from mars_demo.ui.sweep import FrontierPoint, SweepRun, frontier, plan, sweep_runs
 
 
 def steps(counts: list[int], taus: list[float] | None = None, seconds: float = 0.1) -> list[StepEvent]:
@@ -24,15 +27,15 @@ def steps(counts: list[int], taus: list[float] | None = None, seconds: float = 0
     return out
 
 
-def test_summary_and_speedup():
-    mars, ar = charts.summarize(steps([1, 3, 2])), charts.summarize(steps([1] * 6))
-    assert (mars.tokens, mars.passes) == (6, 3)
+def test_rates_of_steps_and_speedup():
+    mars, ar = Rates.of_steps(steps([1, 3, 2])), Rates.of_steps(steps([1] * 6))
+    assert (mars.tokens, mars.forward_passes) == (6, 3)
     assert mars.seconds == pytest.approx(0.3)
     assert mars.tokens_per_forward == 2.0
     assert mars.tokens_per_second == pytest.approx(20.0)
-    assert charts.speedup(mars, ar) == pytest.approx(2.0)
-    assert charts.speedup(mars, None) is None
-    assert charts.summarize([]).tokens_per_second == 0.0
+    assert speedup(mars, ar) == pytest.approx(2.0)
+    assert speedup(mars, None) is None
+    assert Rates.of_steps([]).tokens_per_second == 0.0
 
 
 def test_tokens_vs_time_has_both_sides_on_their_own_clocks():
@@ -61,7 +64,7 @@ def test_tokens_per_pass_overlays_tau_per_pass():
     assert tau.yaxis == "y2"
     # neighbouring passes get different colours, the same ones the text pane uses
     colours = list(bars.marker.color)
-    assert all(a != b for a, b in zip(colours, colours[1:]))
+    assert all(a != b for a, b in itertools.pairwise(colours))
     assert set(colours) <= set(charts.PASS_COLORS)
 
 

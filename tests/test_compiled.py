@@ -12,11 +12,12 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
+from mars_demo.engine.compiled import compiled_forward, enable_compiled_decoding, new_cache, rewind
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import collect, generate
+from mars_demo.engine.loading import LoadedModel
+
 from conftest import PROMPTS, make_lm
-from mars_demo.compiled import compiled_forward, enable_compiled_decoding, new_cache, rewind
-from mars_demo.config import DecodeConfig
-from mars_demo.decoding import collect, generate
-from mars_demo.loading import LoadedModel
 
 CONFIGS = {
     "mars": DecodeConfig(tau=0.7, max_new_tokens=16),

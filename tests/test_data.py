@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from conftest import make_lm
 from mars_demo.cli import main
 from mars_demo.commands import data as data_command
-from mars_demo.data import read_jsonl
+from mars_demo.research.data import read_jsonl
+
+from conftest import make_lm
 
 
 def test_data_command_holds_out_chunks_and_resumes(tmp_path, monkeypatch):

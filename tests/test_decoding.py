@@ -7,11 +7,12 @@ import re
 import pytest
 import torch
 
-from conftest import PROMPTS, make_lm
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import Detokenizer, LiveTau, collect, eos_ids, generate, stream
-from mars_demo.reference import reference_decode
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import Detokenizer, LiveTau, collect, eos_ids, generate, stream
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.reference import reference_decode
+
+from conftest import PROMPTS
 
 MAX_NEW = 24
 
@@ -129,7 +130,7 @@ def test_bad_input_gets_clear_errors(tiny_llama):
         generate(tiny_llama, "   ")
     with pytest.raises(ValueError, match="context"):
         generate(tiny_llama, "fox " * 600)  # the tiny model's context is 512 tokens
-    for bad in (dict(tau=1.2), dict(tau=-0.1), dict(block_size=0), dict(max_new_tokens=0), dict(metric="x"), dict(mode="y")):
+    for bad in ({"tau": 1.2}, {"tau": -0.1}, {"block_size": 0}, {"max_new_tokens": 0}, {"metric": "x"}, {"mode": "y"}):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
     with pytest.raises(TypeError, match="unknown"):

@@ -7,17 +7,16 @@ import json
 import pytest
 import torch
 
-from conftest import PROMPTS, make_lm
 from mars_demo.cli import main
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.evaluation import (
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.metrics import common_prefix, prefix_agreement
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.research.evaluation import (
     Decoded,
     EvalConfig,
     Scored,
     ar_match,
     argmax_agreement,
-    common_prefix,
     decode,
     evaluate,
     extra_ar_match,
@@ -25,13 +24,13 @@ from mars_demo.evaluation import (
     merge_counts,
     pass_positions,
     pooled_nll,
-    prefix_agreement,
     repeated_ngrams,
     repetition,
     tau_row,
     teacher_forced,
 )
 
+from conftest import PROMPTS, make_lm
 
 # --- pure functions on hand-made inputs ---
 
@@ -116,16 +115,17 @@ def test_tau_row_pools_over_prompts():
     mine = [_run([1, 2, 9, 9], [3, 1], 2.0), _run([5, 6], [2], 1.0)]
     own = [Scored((0.0,) * 4, (1, 2, 3, 9)), Scored((0.0, 0.0), (5, 6))]
     base = [Scored((1.0, 1.0, 2.0, 2.0), (0,) * 4), Scored((1.0, 1.0), (0, 0))]
-    row = tau_row(0.5, mine, ar, reference, own, base, reference_nll=1.0)
+    row = tau_row(0.5, mine, ar, reference, own, base, reference_nll={"base": 1.0, "self": 0.5})
     assert row["tokens_per_forward"] == pytest.approx(6 / 3)
-    assert row["speedup"] == pytest.approx(6.0 / 3.0)
+    assert row["speedup"] == pytest.approx((6 / 3.0) / (6 / 6.0))  # tokens/s over AR's tokens/s
+    assert row["time_ratio"] == pytest.approx(6.0 / 3.0)
     assert row["extra_tokens"] == 3  # positions 2 and 3 of the first prompt, 2 of the second
     assert row["extra_ar_match"] == pytest.approx(2 / 3)  # the 9 at position 3 is not AR's 3
     assert [p["position"] for p in row["by_position"]] == [1, 2, 3]
-    assert row["prefix_agreement"] == pytest.approx((0.5 + 1.0) / 2)
+    assert row["agreement"] == pytest.approx((0.5 + 1.0) / 2)
     assert row["exact_match"] == 0.5
-    assert row["nll"] == pytest.approx(8 / 6)
-    assert row["delta_nll"] == pytest.approx(8 / 6 - 1.0)
+    assert row["nll_base"] == pytest.approx(8 / 6) and row["nll_self"] == 0.0
+    assert row["delta_nll_base"] == pytest.approx(8 / 6 - 1.0) and row["delta_nll_self"] == pytest.approx(-0.5)
 
 
 def test_eval_config_levels_and_validation():
@@ -210,15 +210,17 @@ def test_eval_command_writes_a_sane_report(model_dir, tmp_path, capsys):
     assert [row["tau"] for row in report["taus"]] == [1.0, 0.9, 0.3]
     ref, *others = report["taus"]
     assert ref["tokens_per_forward"] == 1.0
-    assert ref["delta_nll"] == 0.0 and ref["prefix_agreement"] == 1.0 and ref["exact_match"] == 1.0
+    assert ref["delta_nll_base"] == 0.0 and ref["delta_nll_self"] == 0.0
+    assert ref["agreement"] == 1.0 and ref["exact_match"] == 1.0
     assert ref["extra_tokens"] == 0 and ref["extra_ar_match"] == 1.0
     assert report["tau1_equals_ar"] == 1.0
     assert report["tau1_vs_base_nll"] == pytest.approx(0.0, abs=1e-9)  # base == model: its greedy is the tau = 1.0 output
     assert report["base_argmax_agreement"] == 1.0 and "reproduces 100.0%" in printed
     for row in report["taus"]:
-        assert set(row) >= {"tokens_per_forward", "speedup", "extra_ar_match", "prefix_agreement", "exact_match", "delta_nll"}
+        assert set(row) >= {"tokens_per_forward", "speedup", "extra_ar_match", "agreement", "exact_match", "delta_nll_base",
+                            "delta_nll_self"}
         assert 1.0 <= row["tokens_per_forward"] <= report["block_size"]
-        assert 0.0 <= row["extra_ar_match"] <= 1.0 and 0.0 <= row["prefix_agreement"] <= 1.0
+        assert 0.0 <= row["extra_ar_match"] <= 1.0 and 0.0 <= row["agreement"] <= 1.0
         assert row["speedup"] > 0 and 0.0 <= row["repeated_ngrams"] < 1.0
         assert row["by_position"][0]["position"] == 1 and row["by_position"][0]["ar_match"] == 1.0
     assert others[-1]["tokens_per_forward"] > 1.0  # the peaked tiny model accepts extras at tau = 0.3

@@ -1,4 +1,4 @@
-"""Exact and hybrid modes (docs/METHOD-exact.md): greedy AR's output token for token, cached == uncached.
+"""Exact and hybrid modes (docs/METHOD.md, "Exact and hybrid modes"): greedy AR's output token for token, cached == uncached.
 
 A random model's masks almost never guess the AR token, so most tests also run on a
 "drafty" copy: a bias on the LM head towards four tokens makes the masks' guesses
@@ -12,13 +12,14 @@ import re
 import pytest
 import torch
 
+from mars_demo.engine import exact
+from mars_demo.engine.batching import collect_batch, stream_batch
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.reference import reference_exact
+
 from conftest import PROMPTS, make_lm
-from mars_demo import exact
-from mars_demo.batching import collect_batch, stream_batch
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
-from mars_demo.reference import reference_exact
 
 MAX_NEW = 32
 BLOCKS = (2, 4, 8)
@@ -194,3 +195,39 @@ def test_batch_exact_needs_the_token_scheme(tiny_llama):
     ids = [prompt_ids(tiny_llama.tokenizer, p) for p in PROMPTS[:2]]
     with pytest.raises(ValueError, match="token-level"):
         stream_batch(tiny_llama.model, tiny_llama.tokenizer, ids, DecodeConfig(mode="exact"), mask_id=3, block_size=4, scheme="block")
+
+
+def test_draft_depth_follows_the_cost_curve_and_the_drafts_held():
+    assert exact.DraftDepth(3, None).layout() == (3, True)  # no curve: the widest layout
+    flat = exact.DraftDepth(3, {w: 30.0 for w in range(1, 9)})
+    assert flat.layout() == (3, True)  # wide passes are free: verify every draft, keep the fallback masks
+    steep = exact.DraftDepth(3, {w: 10.0 * w for w in range(1, 9)})
+    assert steep.layout() == (1, False)  # every token fed costs: one draft, no fallback group
+    assert steep.cost(10) == pytest.approx(100.0)  # past the measured widths: the last slope
+    gentle = exact.DraftDepth(3, {w: 10.0 + 2.0 * w for w in range(1, 9)})
+    assert gentle.layout() == (1, False)  # one draft in two holds: deeper passes do not pay yet
+    for _ in range(200):  # drafts that always hold do
+        gentle.observe(drafted=3, held=3)
+    assert gentle.layout() == (3, False)
+    depth = exact.DraftDepth(3, {1: 10.0, 2: 11.0})
+    depth.observe(drafted=3, held=1)  # depth 1 held, depth 2 failed, depth 3 was never reached
+    assert depth.held == [2, 1, 1] and depth.tried == [3, 3, 2]
+
+
+def test_exact_on_a_steep_curve_feeds_narrower_passes_and_stays_exact(lm, monkeypatch):
+    from mars_demo.engine.kernels import ComputePath
+
+    widths = []
+    hook = lm.model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        config = DecodeConfig(mode="exact", block_size=4, max_new_tokens=MAX_NEW)
+        wide = [collect(generate(lm, prompt, config)).token_ids for prompt in PROMPTS]
+        wide_widths, widths[:] = widths[:], []
+        curve = ComputePath(path="fp32", requested="fp32", costs_ms={w: 10.0 * w for w in range(1, 9)})
+        monkeypatch.setattr(lm.model, "mars_compute", curve, raising=False)
+        narrow = [collect(generate(lm, prompt, config)).token_ids for prompt in PROMPTS]
+    finally:
+        hook.remove()
+    assert narrow == wide == [ar_ids(lm, prompt) for prompt in PROMPTS]
+    prefill = {len(prompt_ids(lm.tokenizer, p)) + 3 for p in PROMPTS} | {len(prompt_ids(lm.tokenizer, p)) + 1 for p in PROMPTS}
+    assert max(w for w in widths if w not in prefill) <= 3 < max(wide_widths)  # [newest | draft | mask] at most

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -20,9 +21,9 @@ import pytest
 import torch
 
 import app
-from mars_demo.config import DecodeConfig
-from mars_demo.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
-from mars_demo.ui.handlers import BUSY, DemoHandlers
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
+from mars_demo.ui.handlers import BUSY, MODEL_OUTPUTS, RACE_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.messages import error, for_client, is_api, sentence
 from mars_demo.ui.models import ModelBusy, ModelCache, ModelPolicy, ModelRefused, model_choices
 from mars_demo.ui.race import RaceTrace, Session
@@ -39,8 +40,8 @@ API = SimpleNamespace(headers={"x-gradio-user": "api"}, session_hash="api1")
 
 
 def settings(**changes) -> list:
-    s = dict(spec=BUNDLED, tau=0.9, block_size=4, max_new_tokens=8, metric="probability", temperature=0.0,
-             full_window=False, with_ar=True) | changes
+    s = {"spec": BUNDLED, "tau": 0.9, "block_size": 4, "max_new_tokens": 8, "metric": "probability", "temperature": 0.0,
+             "full_window": False, "with_ar": True} | changes
     return list(s.values())
 
 
@@ -96,7 +97,8 @@ def test_a_refused_spec_opens_nothing_and_gets_one_message(spy_loader, tmp_path)
     for spec in PROBES:
         session = Session()
         with pytest.warns(UserWarning, match="Still serving"):
-            *_, (status, picker, _block) = handlers.show_model(spec, session)
+            *_, last = handlers.show_model(spec, session)
+        status, picker = named(MODEL_OUTPUTS, last)["model_line"], named(MODEL_OUTPUTS, last)["model"]
         messages.add(status)
         assert picker["value"] == BUNDLED and session.spec == BUNDLED
         with pytest.raises(gr.Error) as err:
@@ -110,7 +112,8 @@ def test_a_refused_spec_opens_nothing_and_gets_one_message(spy_loader, tmp_path)
     assert len({m for m in messages if "model-status" in m}) == 1 and len(messages) == 2  # status line + toast
     assert all("passwd" not in m and "JSON" not in m and "exist" not in m for m in messages)
     # the known models are served
-    assert list(handlers.show_model(BUNDLED_BASE, Session()))[-1][0].startswith('<div class="model-status ok">')
+    last = named(MODEL_OUTPUTS, list(handlers.show_model(BUNDLED_BASE, Session()))[-1])
+    assert last["model_line"].startswith('<div class="model-status ok">')
 
 
 def test_load_failures_read_the_same_whatever_the_spec(spy_loader, tmp_path):
@@ -162,7 +165,8 @@ def test_a_run_keeps_its_model_while_another_session_asks_for_another(spy_loader
     run = handlers.run(PROMPT, *settings(max_new_tokens=16), a)
     next(run), next(run)  # a's run is decoding with the bundled model
     with pytest.warns(UserWarning, match="in use by other visitors"):
-        *_, (status, picker, _) = handlers.show_model(BUNDLED_BASE, Session())
+        *_, last = handlers.show_model(BUNDLED_BASE, Session())
+    status, picker = named(MODEL_OUTPUTS, last)["model_line"], named(MODEL_OUTPUTS, last)["model"]
     assert "in use by other visitors" in BUSY and "in use by other visitors" in status and picker["value"] == BUNDLED
     assert handlers.models.loaded() == [BUNDLED]
     list(run)
@@ -202,9 +206,9 @@ def test_closing_the_tab_removes_its_traces(spy_loader, tmp_path):
     handlers = DemoHandlers(spy_loader, policy=CLOSED, traces=TraceStore(tmp_path))
     forget_session, forget_tab = app.session_cleanup(handlers.traces)
     tab, other = Session(), Session()
-    final = list(handlers.run(PROMPT, *settings(), tab, request=BROWSER))[-1]
+    final = named(RACE_OUTPUTS, list(handlers.run(PROMPT, *settings(), tab, request=BROWSER))[-1])
     list(handlers.run(PROMPT, *settings(), other, request=API))
-    assert json.loads(open(final[6]["value"]).read())["status"] == "done"
+    assert json.loads(Path(final["json_file"]["value"]).read_text())["status"] == "done"
     assert len(handlers.traces.files()) == 4
     forget_tab(BROWSER)  # the unload event
     assert {p.stem for p in handlers.traces.files()} == {stem(other.id)}
@@ -233,9 +237,9 @@ def free_port() -> int:
 
 
 def test_served_app_through_the_api(spy_loader, tmp_path, monkeypatch):
+    import httpx
     from gradio_client import Client
     from gradio_client.exceptions import AppError
-    import httpx
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     demo = app.build_demo(spy_loader, policy=CLOSED, traces=TraceStore(tmp_path / "traces"))
@@ -246,7 +250,7 @@ def test_served_app_through_the_api(spy_loader, tmp_path, monkeypatch):
         client = Client(url, verbose=False, download_files=str(tmp_path / "downloads"))
         assert spy_loader.calls == []
         result = client.predict(PROMPT, *settings(tau=0.7), api_name="/run")
-        trace = json.loads(open(result[6]["value"]).read())
+        trace = json.loads(Path(named(RACE_OUTPUTS, result)["json_file"]["value"]).read_text())
         assert trace["status"] == "done" and {p["tau"] for p in trace["sides"]["mars"]["passes"]} == {0.7}
         # a page load with the model in memory copies no model: it is quick
         started = time.perf_counter()

@@ -8,14 +8,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import PROMPTS, make_lm
-from mars_demo import kernels
 from mars_demo.cli import main
-from mars_demo.config import DecodeConfig, resolve_max_fed
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import collect, generate
-from mars_demo.kernels import Int8Linear, cap_from_costs, choose, convert, select
-from mars_demo.loading import ModelLoadError, default_precision
+from mars_demo.engine import kernels
+from mars_demo.engine.config import DecodeConfig, resolve_max_fed
+from mars_demo.engine.decoding import collect, generate
+from mars_demo.engine.kernels import Int8Linear, cap_from_costs, choose, convert, select
+from mars_demo.engine.loading import ModelLoadError, default_precision
+from mars_demo.engine.prompts import prompt_ids
+
+from conftest import PROMPTS, make_lm
 
 
 def on_path(arch: str, path: str):

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import collect, generate
+from mars_demo.engine.loading import MarsMeta, ModelLoadError, block_size_from_name, choose_mask_token, load_model
+
 from conftest import PROMPTS, make_lm
-from mars_demo.config import DecodeConfig
-from mars_demo.decoding import collect, generate
-from mars_demo.loading import ModelLoadError, MarsMeta, block_size_from_name, choose_mask_token, load_model
 
 
 def save_as_released(lm, directory):

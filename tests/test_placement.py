@@ -14,12 +14,13 @@ import pytest
 import torch
 from accelerate import dispatch_model
 
+from mars_demo.engine.batching import collect_batch, generate_batch
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import collect, generate
+from mars_demo.engine.loading import LoadedModel
+from mars_demo.engine.placement import SeededGenerator, input_device
+
 from conftest import PROMPTS, make_lm
-from mars_demo.batching import collect_batch, generate_batch
-from mars_demo.config import DecodeConfig
-from mars_demo.decoding import collect, generate
-from mars_demo.loading import LoadedModel
-from mars_demo.placement import SeededGenerator, input_device
 
 SPLIT = {  # the first layer on disk, so nothing can read the input device off the first parameter
     "model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",

@@ -1,4 +1,4 @@
-"""MARS training: the attention mask is METHOD.md's three rules, the streams are what decoding sees,
+"""MARS training: the attention mask is docs/METHOD.md's three rules, the streams are what decoding sees,
 the loss learns, and a trained adapter saves, loads, resumes and still decodes greedily at tau = 1.0."""
 
 from __future__ import annotations
@@ -13,13 +13,24 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mars_demo import cli
-from mars_demo.config import DecodeConfig
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import collect, stream
-from mars_demo.loading import load_model
-from mars_demo.training import (
-    Example, TrainConfig, causal_lm, collate, epoch_batches, hidden_states, load_examples, mars_attention_mask,
-    mars_loss, micro_batches, model_mask, noisy_start, train, validate,
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import collect, stream
+from mars_demo.engine.loading import load_model
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.research.training import (
+    Example,
+    TrainConfig,
+    causal_lm,
+    collate,
+    epoch_batches,
+    hidden_states,
+    load_examples,
+    mars_loss,
+    micro_batches,
+    model_mask,
+    noisy_start,
+    train,
+    validate,
 )
 
 from conftest import CORPUS, PROMPTS, make_lm, make_tokenizer
@@ -28,7 +39,7 @@ from conftest import CORPUS, PROMPTS, make_lm, make_tokenizer
 
 
 def rule(q: tuple[bool, int], k: tuple[bool, int], block: int) -> bool:
-    """METHOD.md's three rules, one (stream is noisy, position) pair at a time."""
+    """docs/METHOD.md's three rules, one (stream is noisy, position) pair at a time."""
     (q_noisy, pq), (k_noisy, pk) = q, k
     if not q_noisy and not k_noisy:
         return pk <= pq
@@ -321,7 +332,7 @@ def base_dir(tmp_path):
     return str(path)
 
 
-FAST = dict(block_size=4, lora_rank=8, lr=1e-2, batch_size=4, save_every=100, warmup=0.1)
+FAST = {"block_size": 4, "lora_rank": 8, "lr": 1e-2, "batch_size": 4, "save_every": 100, "warmup": 0.1}
 
 
 def test_loss_falls(tmp_path):
@@ -429,7 +440,7 @@ def test_validation_during_training_logs_and_resumes(tmp_path):
     tokenizer = make_tokenizer("<|mask|>")
     examples, held_out = load_examples(tiny_rows(tokenizer, 6), 128), load_examples(held_out_rows(tokenizer), 128)
     config = TrainConfig(max_steps=5, **(FAST | {"save_every": 2}))
-    kwargs = dict(base_spec="tiny", progress=False, val_examples=held_out, val_every=2, val_data="held.jsonl")
+    kwargs = {"base_spec": "tiny", "progress": False, "val_examples": held_out, "val_every": 2, "val_data": "held.jsonl"}
     straight = train(make_lm("qwen2"), examples, config, tmp_path / "a", **kwargs)
     assert [v.step for v in straight.validation] == [0, 2, 4, 5]
     first, last = straight.validation[0], straight.validation[-1]
@@ -582,7 +593,8 @@ def test_full_fine_tuning_saves_a_loadable_model(tmp_path, base_dir):
     loaded = load_model(str(out))
     assert loaded.meta.mask_token_id == lm.meta.mask_token_id and loaded.meta.block_size == 4
     with safe_open(out / "model.safetensors", "pt") as saved:  # the tied LM head is stored once
-        assert "lm_head.weight" not in saved.keys() and "model.embed_tokens.weight" in saved.keys()
+        names = set(saved.keys())  # a safetensors handle, not a dict
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
     ids = prompt_ids(lm.tokenizer, PROMPTS[2])
     trained = result.model.eval()

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from ..bench import METHODS, BenchConfig, run_benchmark
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, max_fed_text
-from ..compiled import enable_compiled_decoding
-from ..data import read_prompts
-from ..loading import default_precision, load_model
+from ..engine.compiled import enable_compiled_decoding
+from ..engine.loading import default_precision, load_model
+from ..research.bench import METHODS, BenchConfig, run_benchmark
+from ..research.data import read_prompts
 
 HELP = "benchmark HF generate, our AR, MARS, batch decoding and prompt lookup: speed and quality"
 DEFAULTS = BenchConfig()
@@ -75,7 +75,10 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report import format_table, write_report  # plotly: the other commands run without it (a bare GPU box)
+    from ..research.report import (  # plotly: the other commands run without it (a bare GPU box)
+        format_table,
+        write_report,
+    )
 
     config = parse_config(args)  # every value checked before the model loads
     if not args.prompts.is_file():

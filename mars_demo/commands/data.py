@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from ..cli import UserError
-from ..data import distill, read_jsonl, sample_prompts
-from ..loading import BUNDLED_BASE, load_model
+from ..engine.loading import BUNDLED_BASE, load_model
+from ..research.data import distill, read_jsonl, sample_prompts
 
 HELP = "sample prompts and distil the base model's answers, chunk by chunk (resumable)"
 
@@ -51,8 +51,7 @@ def run(args: argparse.Namespace) -> int:
         if split == "train":
             distill(lm, fresh, distill_path, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
         with open(prompts_path, "a", encoding="utf-8") as sink:  # written last: a chunk on disk is a finished chunk
-            for prompt in fresh:
-                sink.write(json.dumps({"prompt": prompt, "chunk": chunk, "split": split}, ensure_ascii=False) + "\n")
+            sink.writelines(json.dumps({"prompt": prompt, "chunk": chunk, "split": split}, ensure_ascii=False) + "\n" for prompt in fresh)
         seen.update(fresh)
     heldout = [row["prompt"] for row in read_jsonl(prompts_path) if row["split"] == "heldout"]
     (args.out_dir / "heldout.json").write_text(json.dumps(heldout, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,7 +1,8 @@
 """``eval``: MARS at several tau against its tau = 1.0 output, the AR decoder and the base model.
 
 Prints one table row per tau and writes the full report (figures, definitions,
-every output) as JSON with ``--out``. The figures are defined in mars_demo/evaluation.py.
+every output) as JSON with ``--out``. The figures are defined in mars_demo/engine/metrics.py and
+mars_demo/research/evaluation.py.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import json
 from pathlib import Path
 
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument
-from ..data import read_prompts
-from ..evaluation import DEFAULT_TAUS, EvalConfig, evaluate
-from ..loading import BUNDLED_BASE, default_precision, load_model
+from ..engine.loading import BUNDLED_BASE, default_precision, load_model
+from ..research.data import read_prompts
+from ..research.evaluation import DEFAULT_TAUS, EvalConfig, evaluate
+from ..research.tables import text_table
 
 HELP = "evaluate MARS speed and quality per tau against tau = 1.0, the AR decoder and the base model"
 DEFAULTS = EvalConfig()
@@ -26,10 +28,11 @@ COLUMNS = (  # (key, header, format)
     ("speedup", "speedup", "{:.2f}x"),
     ("extra_ar_match", "extra=AR", "{:.3f}"),
     ("extra_tokens", "extras", "{:d}"),
-    ("prefix_agreement", "prefix", "{:.3f}"),
+    ("agreement", "agree", "{:.3f}"),
     ("exact_match", "exact", "{:.2f}"),
-    ("nll", "NLL", "{:.3f}"),
-    ("delta_nll", "dNLL", "{:+.4f}"),
+    ("nll_base", "NLL base", "{:.3f}"),
+    ("delta_nll_base", "dNLL base", "{:+.4f}"),
+    ("delta_nll_self", "dNLL self", "{:+.4f}"),
     ("repeated_ngrams", "rep4", "{:.3f}"),
 )
 
@@ -61,29 +64,22 @@ def parse_taus(text: str) -> tuple[float, ...]:
     return taus
 
 
-def _cell(value, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 def table(report: dict) -> str:
     """The per-tau rows, the AR baseline line and the tau = 1.0 quality line, as plain text."""
-    rows = [[header for _, header, _ in COLUMNS]]
-    rows += [[_cell(row[key], fmt) for key, _, fmt in COLUMNS] for row in report["taus"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines = [text_table(report["taus"], COLUMNS)]
     ar = report["ar"]
     diff = report["tau1_vs_base_nll"]
     verdict = "within" if diff <= NLL_TARGET else "OUTSIDE"
     lines += [
         "",
-        f"model {report['model']} (block size {report['block_size']}), base {report['base']}, "
-        f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, {report['device']}",
-        f"AR decoder: {ar['tokens']} tokens in {ar['seconds']:.2f} s ({ar['tokens_per_second']:.1f} tok/s); "
-        f"tau = 1.0 output equals it on {report['tau1_equals_ar']:.0%} of prompts",
-        f"NLL per token under the base: tau = 1.0 {report['tau1_nll']:.4f}, base greedy {report['base_greedy_nll']:.4f}, "
-        f"tau1_vs_base_nll {diff:+.4f} ({verdict} the {NLL_TARGET} target)",
-        f"base greedy output: rep4 {report['base_greedy_repeated_ngrams']:.3f}; this model's teacher-forced argmax "
-        f"reproduces {report['base_argmax_agreement']:.1%} of its tokens",
+        (f"model {report['model']} (block size {report['block_size']}), base {report['base']}, "
+         f"{report['prompts']} prompts, up to {report['max_new_tokens']} new tokens, {report['device']}"),
+        (f"AR decoder: {ar['tokens']} tokens in {ar['seconds']:.2f} s ({ar['tokens_per_second']:.1f} tok/s); "
+         f"tau = 1.0 output equals it on {report['tau1_equals_ar']:.0%} of prompts"),
+        (f"NLL per token under the base: tau = 1.0 {report['tau1_nll']:.4f}, base greedy "
+         f"{report['base_greedy_nll']:.4f}, tau1_vs_base_nll {diff:+.4f} ({verdict} the {NLL_TARGET} target)"),
+        (f"base greedy output: rep4 {report['base_greedy_repeated_ngrams']:.3f}; this model's teacher-forced argmax "
+         f"reproduces {report['base_argmax_agreement']:.1%} of its tokens"),
     ]
     return "\n".join(lines)
 

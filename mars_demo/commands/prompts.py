@@ -8,8 +8,8 @@ import random
 from pathlib import Path
 
 from ..cli import UserError
-from ..data import sample_prompts
-from ..loading import BUNDLED_BASE, load_model
+from ..engine.loading import BUNDLED_BASE, load_model
+from ..research.data import sample_prompts
 
 HELP = "sample prompts written by the model itself into DIR/train.json and DIR/heldout.json"
 

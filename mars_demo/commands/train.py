@@ -1,4 +1,4 @@
-"""``train``: MARS fine-tuning of a base model on distilled JSONL data (see mars_demo/training.py)."""
+"""``train``: MARS fine-tuning of a base model on distilled JSONL data (see mars_demo/research/training.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import warnings
 from pathlib import Path
 
 from ..cli import UserError
-from ..data import read_jsonl
-from ..evaluation import NGRAM, repetition
-from ..loading import BUNDLED_BASE, load_model
-from ..training import OBJECTIVES, Example, TrainConfig, load_examples, train
+from ..engine.loading import BUNDLED_BASE, load_model
+from ..research.data import read_jsonl
+from ..research.evaluation import NGRAM, repetition
+from ..research.training import OBJECTIVES, Example, TrainConfig, load_examples, train
 
 HELP = "fine-tune a base model for MARS (LoRA by default) on a distilled JSONL file"
 DEFAULTS = TrainConfig()
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=DEFAULTS.lr, help="peak learning rate (3%% warm-up, cosine decay)")
     parser.add_argument(
         "--ar-weight", type=float, default=DEFAULTS.ar_weight,
-        help="weight of the clean stream's AR loss (METHOD.md: 1.0); more keeps tau = 1.0 closer to the base",
+        help="weight of the clean stream's AR loss (docs/METHOD.md: 1.0); more keeps tau = 1.0 closer to the base",
     )
     parser.add_argument(
         "--objective", choices=OBJECTIVES, default=DEFAULTS.objective,
@@ -74,20 +74,14 @@ def read_distilled(path: Path, max_response_tokens: int, start: int = 0, end: in
         raise UserError(f"{path} is not a distilled JSONL file ({err})") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    config = TrainConfig(
-        block_size=args.block_size, lora_rank=None if args.full else args.lora_rank, lora_alpha=args.lora_alpha,
-        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        max_steps=args.max_steps, max_response_tokens=args.max_response_tokens, save_every=args.save_every,
-        ar_weight=args.ar_weight, seed=args.seed, objective=args.objective,
-    )  # validates before anything loads
+def _check(args: argparse.Namespace) -> None:
+    """Every flag that can be refused before the model loads."""
     if args.skip_rows < 0:
         raise UserError(f"--skip-rows must be >= 0, got {args.skip_rows}")
     if args.max_rows is not None and args.max_rows < 1:
         raise UserError(f"--max-rows must be >= 1, got {args.max_rows}")
     if args.max_repeat is not None and not 0 <= args.max_repeat <= 1:
         raise UserError(f"--max-repeat is a share of {NGRAM}-grams, between 0 and 1; got {args.max_repeat}")
-    end = None if args.max_rows is None else args.skip_rows + args.max_rows
     if not args.data.is_file():
         raise UserError(f"data file not found: {args.data}")
     if args.init_adapter is not None and not (args.init_adapter / "adapter_config.json").is_file():
@@ -100,6 +94,35 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"validation file not found: {args.val_data}")
     if args.resume and not (args.out / "checkpoint" / "state.pt").is_file():
         raise UserError(f"nothing to resume: {args.out / 'checkpoint'} holds no checkpoint")
+
+
+def _report(result, out: Path) -> None:
+    """The run's last step and, with --val-data, its last held-out figures."""
+    last = result.history[-1] if result.history else None
+    if last is not None:
+        print(
+            f"{result.steps}/{result.total_steps} steps in {result.seconds:.0f} s "
+            f"({result.seconds / max(result.steps, 1):.2f} s/step); last loss {last.loss:.3f} "
+            f"(noisy {last.noisy_loss:.3f}, AR {last.ar_loss:.3f}); outputs in {out}"
+        )
+    if result.validation:
+        v = result.validation[-1]
+        print(
+            f"held out (step {v.step}): noisy {v.noisy_loss}, AR {v.ar_loss}, argmax agreement {v.ar_agreement}, "
+            f"~{v.tokens_per_pass} tokens/pass at tau {v.tau} with {v.extra_match} of the extra tokens matching; "
+            f"the AR head is that sure of {v.ar_sure} of the tokens"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = TrainConfig(
+        block_size=args.block_size, lora_rank=None if args.full else args.lora_rank, lora_alpha=args.lora_alpha,
+        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        max_steps=args.max_steps, max_response_tokens=args.max_response_tokens, save_every=args.save_every,
+        ar_weight=args.ar_weight, seed=args.seed, objective=args.objective,
+    )  # validates before anything loads
+    _check(args)
+    end = None if args.max_rows is None else args.skip_rows + args.max_rows
     examples = read_distilled(args.data, config.max_response_tokens, args.skip_rows, end)
     span = f"[{args.skip_rows or ''}:{end or ''}]" if args.skip_rows or end else ""  # the rows used, as a slice
     if args.max_repeat is not None:
@@ -127,20 +150,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if os.environ.get("RANK", "0") != "0":
         return 0  # accelerate launch: the main process reports
-    last = result.history[-1] if result.history else None
-    if last is not None:
-        print(
-            f"{result.steps}/{result.total_steps} steps in {result.seconds:.0f} s "
-            f"({result.seconds / max(result.steps, 1):.2f} s/step); last loss {last.loss:.3f} "
-            f"(noisy {last.noisy_loss:.3f}, AR {last.ar_loss:.3f}); outputs in {args.out}"
-        )
-    if result.validation:
-        v = result.validation[-1]
-        print(
-            f"held out (step {v.step}): noisy {v.noisy_loss}, AR {v.ar_loss}, argmax agreement {v.ar_agreement}, "
-            f"~{v.tokens_per_pass} tokens/pass at tau {v.tau} with {v.extra_match} of the extra tokens matching; "
-            f"the AR head is that sure of {v.ar_sure} of the tokens"
-        )
+    _report(result, args.out)
     return 0
 
 

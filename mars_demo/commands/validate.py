@@ -5,7 +5,7 @@ the held-out losses, how often the model's greedy choice is still the row's toke
 (on rows distilled from the base: agreement with the base), and, per tau, the tokens
 a decoding pass would accept at every full block with the share of its extra tokens
 that match the row; beside them, how sure the AR head itself is of the row's tokens
-(which soft-bounds what the masks can accept). See ``mars_demo.training.Validation``;
+(which soft-bounds what the masks can accept). See ``mars_demo.research.training.Validation``;
 ``train --val-data`` logs the same figures during training.
 """
 
@@ -17,9 +17,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..cli import UserError, add_model_argument, add_precision_argument
-from ..config import check_tau
-from ..loading import load_model
-from ..training import TrainConfig, validate
+from ..engine.config import check_tau
+from ..engine.loading import load_model
+from ..engine.prompts import pad_id
+from ..research.tables import text_table
+from ..research.training import TrainConfig, validate
 from .eval import parse_taus
 from .train import read_distilled
 
@@ -50,9 +52,8 @@ def run(args: argparse.Namespace) -> int:
     if not examples:
         raise UserError(f"no usable rows in {args.data}")
     lm = load_model(args.model, block_size=args.block_size, precision=args.precision)
-    pad_id = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     block = lm.meta.block_size
-    results = validate(lm.model, examples, lm.meta.mask_token_id, pad_id, block, taus=taus, batch_size=args.batch_size)
+    results = validate(lm.model, examples, lm.meta.mask_token_id, pad_id(lm.tokenizer), block, taus=taus, batch_size=args.batch_size)
     if args.json:
         for result in results:
             print(json.dumps({"model": lm.name, "block_size": block, "rows": len(examples)} | asdict(result)))
@@ -61,12 +62,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {lm.name} (block size {block}), {len(examples)} rows of {args.data}")
     print(f"held-out loss: noisy {first.noisy_loss}, AR {first.ar_loss}; greedy choice = the row's token on "
           f"{first.ar_agreement:.1%} of tokens; the AR head gives the row's token {first.ar_confidence:.3f} on average")
-    reach = [f"cand {j}" for j in range(2, block + 1)]
-    print(f"{'tau':>5}  {'tok/pass':>8}  {'extra=row':>9}  {'AR sure':>7}  {'AR path':>7}  " + "  ".join(f"{r:>6}" for r in reach))
-    for result in results:
-        values = (result.tokens_per_pass, result.extra_match, result.ar_sure, result.ar_path_tokens_per_pass, *(result.reach or []))
-        cells = ["-" if v is None else f"{v:.3f}" for v in values]
-        print(f"{result.tau:>5.2f}  " + "  ".join(f"{c:>{len(h)}}" for c, h in zip(cells, ("tok/pass", "extra=row", "AR sure", "AR path", *reach))))
+    columns = [("tau", "tau", "{:.2f}"), ("tokens_per_pass", "tok/pass", "{:.3f}"), ("extra_match", "extra=row", "{:.3f}"),
+               ("ar_sure", "AR sure", "{:.3f}"), ("ar_path_tokens_per_pass", "AR path", "{:.3f}")]
+    columns += [(f"cand {j}", f"cand {j}", "{:.3f}") for j in range(2, block + 1)]
+    rows = [asdict(r) | dict(zip([f"cand {j}" for j in range(2, block + 1)], r.reach or [])) for r in results]
+    print(text_table(rows, columns))
     print("AR sure: share of the row's tokens the AR head gives >= tau. AR path: tok/pass if every mask were exactly as\n"
           "sure as the AR head is of the row's path to its token. cand j: share of passes that accept candidate j.")
     return 0

@@ -28,29 +28,46 @@ from pathlib import Path
 
 import gradio as gr
 
-from .. import charts
-from ..config import DecodeConfig
-from ..decoding import generate
-from ..loading import load_for_decoding
-from ..sweep import frontier, plan, sweep_runs
+from ..engine.config import DecodeConfig
+from ..engine.decoding import generate
+from ..engine.loading import load_for_decoding
+from . import charts
 from .messages import error, sentence, warning
 from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note
 from .race import RaceTrace, Session, interleave
-from .traces import TraceStore, stem
 from .render import ar_pane, mars_pane, model_message, model_status
+from .sweep import frontier, plan, sweep_runs
+from .traces import TraceStore, stem
 
 logger = logging.getLogger(__name__)
 
 SWEEP_COLUMNS = ["tau", "prompts", "tokens / forward", "tokens / s", "speedup over AR", "agreement", "exact match"]
+# Each handler's outputs by name, in the order app.py lists the components: the one place that order lives.
+RACE_OUTPUTS = ("mars_pane", "ar_pane", "time_plot", "pass_plot", "hist_plot", "summary_plot", "json_file", "csv_file")
+MODEL_OUTPUTS = ("model_line", "model", "block_size")
+SWEEP_OUTPUTS = ("sweep_status", "sweep_plot", "sweep_table")
 
 
-def empty_figures() -> tuple:
-    return (
-        charts.tokens_vs_time([], []),
-        charts.tokens_per_pass([]),
-        charts.passes_histogram([]),
-        charts.summary_table([], []),
-    )
+def outputs(names: tuple[str, ...], **values) -> tuple:
+    """Values keyed by output name, as the tuple Gradio expects for ``names``; gr.skip() for those not given."""
+    unknown = set(values) - set(names)
+    if unknown:
+        raise KeyError(f"not an output of this handler: {', '.join(sorted(unknown))}")
+    return tuple(values.get(name, gr.skip()) for name in names)
+
+
+def named(names: tuple[str, ...], values: tuple) -> dict:
+    """A handler's output tuple back as a dict by name (tests, notebooks)."""
+    return dict(zip(names, values, strict=True))
+
+
+def empty_figures() -> dict:
+    return {
+        "time_plot": charts.tokens_vs_time([], []),
+        "pass_plot": charts.tokens_per_pass([]),
+        "hist_plot": charts.passes_histogram([]),
+        "summary_plot": charts.summary_table([], []),
+    }
 
 
 BUSY = ("Another model is in use by other visitors' runs right now: "
@@ -95,26 +112,28 @@ class DemoHandlers:
         try:
             spec = self.policy.check(spec)
             if spec not in self.models.loaded():
-                yield model_message(f"Loading {spec}… (a download or a first conversion can take a while)"), gr.skip(), gr.skip()
+                loading = f"Loading {spec}… (a download or a first conversion can take a while)"
+                yield outputs(MODEL_OUTPUTS, model_line=model_message(loading))
             lm = self.models.get(spec)
-        except Exception as err:  # any failure to load is the visitor's to read, not a crash
+        except Exception as err:  # noqa: BLE001 - any failure to load is the visitor's to read, not a crash
             text = self._refusal(spec, err)
             keep = session.spec if session.spec != spec else self.policy.specs[0]
             warning(sentence(text, f"Still serving {keep}"), "Model not loaded", request)
-            yield model_message(sentence(text, f"Still serving {keep}"), "error"), gr.update(value=keep), gr.skip()
+            yield outputs(MODEL_OUTPUTS, model_line=model_message(sentence(text, f"Still serving {keep}"), "error"),
+                          model=gr.update(value=keep))
             return
         session.spec = spec
         status = model_status(
             lm.name, lm.meta.block_size, lm.meta.mask_token, lm.load_seconds, bundled_note(spec),
             compute=lm.compute.summary() if lm.compute is not None else "",
         )
-        yield status, gr.skip(), gr.update(value=lm.meta.block_size)
+        yield outputs(MODEL_OUTPUTS, model_line=status, block_size=gr.update(value=lm.meta.block_size))
 
     def _hold(self, spec: str | None, stack: ExitStack, request: gr.Request | None):
         """The model for a run, held (never dropped) until ``stack`` closes."""
         try:
             return stack.enter_context(self.models.hold(self.policy.check(spec)))
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - refused with one message; the reason goes to the log
             raise error(self._refusal(spec, err), "Model not loaded", request) from None
 
     # -- tau -------------------------------------------------------------------------------
@@ -134,27 +153,28 @@ class DemoHandlers:
 
     def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session,
                  owner: str | None = None) -> tuple:
-        """(MARS pane, AR pane, four figures, JSON and CSV download buttons); gr.skip() for what did not change."""
+        """RACE_OUTPUTS: both panes, four figures, the JSON and CSV download buttons; gr.skip() for what did not change."""
         mars, ar = trace.steps("mars"), trace.steps("ar")
-        out: list = [gr.skip()] * 8
+        out: dict = {}
         if "mars" in panes:
-            out[0] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"), trace.config.mode)
+            out["mars_pane"] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"), trace.config.mode)
         if "ar" in panes:
-            out[1] = ar_pane(ar, _side_status(trace, "ar"), trace.finish_reason("ar"))
+            out["ar_pane"] = ar_pane(ar, _side_status(trace, "ar"), trace.finish_reason("ar"))
         if charts_due:
             block = trace.config.block_size
-            out[2:6] = [
-                charts.tokens_vs_time(mars, ar),
-                charts.tokens_per_pass(mars, block),
-                charts.passes_histogram(mars, block),
-                charts.summary_table(mars, ar),
-            ]
+            out |= {
+                "time_plot": charts.tokens_vs_time(mars, ar),
+                "pass_plot": charts.tokens_per_pass(mars, block),
+                "hist_plot": charts.passes_histogram(mars, block),
+                "summary_plot": charts.summary_table(mars, ar),
+            }
         if files is True:
             json_path, csv_path = self.traces.write(trace, stem(session.id), owner)
-            out[6:8] = [gr.update(value=str(json_path), interactive=True), gr.update(value=str(csv_path), interactive=True)]
+            out["json_file"] = gr.update(value=str(json_path), interactive=True)
+            out["csv_file"] = gr.update(value=str(csv_path), interactive=True)
         elif files is False:
-            out[6:8] = [gr.update(value=None, interactive=False)] * 2
-        return tuple(out)
+            out["json_file"] = out["csv_file"] = gr.update(value=None, interactive=False)
+        return outputs(RACE_OUTPUTS, **out)
 
     def run(
         self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session,
@@ -209,7 +229,7 @@ class DemoHandlers:
         """
         trace = session.trace
         if trace is None or trace.status != "running":
-            return (gr.skip(),) * 8
+            return outputs(RACE_OUTPUTS)
         trace.status = "stopped"
         trace.ended.wait(timeout=self.stop_wait)
         return self._outputs(trace, ("mars", "ar"), True, True, session, request.session_hash if request else None)
@@ -242,9 +262,10 @@ class DemoHandlers:
             status = f'<div class="sweep-status">{escape(text)}</div>'
             if prompt_done:  # redraw the frontier with this prompt in it
                 points = frontier(runs)
-                yield status, charts.frontier(points), _sweep_table(points)
+                yield outputs(SWEEP_OUTPUTS, sweep_status=status, sweep_plot=charts.frontier(points),
+                              sweep_table=_sweep_table(points))
             else:  # a yield per run, so the sweep's Stop takes effect between runs
-                yield status, gr.skip(), gr.skip()
+                yield outputs(SWEEP_OUTPUTS, sweep_status=status)
 
 
 def _prompt_error(err: ValueError, request: gr.Request | None) -> gr.Error:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
+from ..engine.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..charts import speedup, summarize
-from ..config import DecodeConfig
-from ..decoding import LiveTau, StepEvent
-from ..loading import BUNDLED
+from ..engine.config import DecodeConfig
+from ..engine.decoding import LiveTau, StepEvent
+from ..engine.loading import BUNDLED
+from ..engine.metrics import Rates, speedup
 
 SIDES = ("mars", "ar")
 CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences")
@@ -82,20 +82,13 @@ class RaceTrace:
             steps = self.steps(side)
             if steps is None:
                 continue
-            total = summarize(steps)
             sides[side] = {
                 "passes": [_step_record(s) for s in steps],
-                "tokens": total.tokens,
-                "forward_passes": total.passes,
-                "seconds": round(total.seconds, 6),
-                "tokens_per_forward": round(total.tokens_per_forward, 4),
-                "tokens_per_second": round(total.tokens_per_second, 3),
+                **Rates.of_steps(steps).record(),
                 "finish_reason": self.finish_reason(side),
                 "text": "".join(s.text for s in steps),
             }
-        mars_total = summarize(self.mars)
-        ar_total = summarize(self.ar) if self.with_ar else None
-        gain = speedup(mars_total, ar_total)
+        gain = speedup(Rates.of_steps(self.mars), Rates.of_steps(self.ar) if self.with_ar else None)
         return {
             "prompt": self.prompt,
             "model": self.model,

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from html import escape
 
-from ..charts import PASS_COLORS, summarize
-from ..decoding import StepEvent
-from ..exact import AR, DRAFT, MASK
+from ..engine.decoding import StepEvent
+from ..engine.exact import AR, DRAFT, MASK
+from ..engine.metrics import Rates
+from .charts import PASS_COLORS
 
 SHADES = 4  # passes accepting 1, 2, 3, 4+ tokens get deeper shades
 ORIGIN_TIPS = {AR: "the AR head's token", DRAFT: "draft verified by the AR head", MASK: "mask accepted on confidence"}
@@ -108,11 +109,11 @@ def _chip(status: str, finish: str | None) -> str:
 def _stats(steps: Sequence[StepEvent], with_tau: bool) -> str:
     if not steps:
         return ""
-    total = summarize(steps)
+    total = Rates.of_steps(steps)
     parts = [f"tau <b>{steps[-1].tau:.2f}</b>"] if with_tau else []
     parts += [
         f"<b>{total.tokens}</b> tokens",
-        f"<b>{total.passes}</b> passes",
+        f"<b>{total.forward_passes}</b> passes",
         f"<b>{total.tokens_per_forward:.2f}</b> tok/pass",
         f"<b>{total.tokens_per_second:.1f}</b> tok/s",
         f"<b>{total.seconds:.2f}</b> s",

@@ -8,13 +8,14 @@ Run from the repository root: PYTHONPATH=. python docs/experiments/2026-11-23-re
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from mars_demo.loading import load_model
+from mars_demo.engine.loading import load_model
 
 BLOCK = 4
-rows = [json.loads(line) for line in open("assets/data/heldout_val64.jsonl")]
+rows = [json.loads(line) for line in Path("assets/data/heldout_val64.jsonl").read_text().splitlines()]
 for spec in sys.argv[1:]:
     model = load_model(spec).model
     probs = []

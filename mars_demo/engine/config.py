@@ -12,7 +12,7 @@ from typing import Literal
 Mode = Literal["mars", "ar", "exact", "hybrid"]
 Metric = Literal["probability", "entropy", "margin"]
 MODES: tuple[str, ...] = ("mars", "ar", "exact", "hybrid")
-# Modes whose unaccepted mask guesses become drafts that the next pass verifies (docs/METHOD-exact.md).
+# Modes whose unaccepted mask guesses become drafts the next pass verifies (docs/METHOD.md, "Exact and hybrid modes").
 VERIFYING_MODES: tuple[str, ...] = ("exact", "hybrid")
 EXACT_IS_GREEDY = (
     "exact and hybrid modes verify drafts against the greedy AR token, so they need temperature 0 "
@@ -36,7 +36,7 @@ class DecodeConfig:
     mode: "mars" (accept confident candidates), "ar" (one token per pass), "exact" (the
       masks' guesses are drafts the next pass verifies: greedy AR's output in fewer
       passes; tau is not read) or "hybrid" (confident candidates accepted as in "mars",
-      the rest verified as in "exact"; tau = 1.0 is "exact"). See docs/METHOD-exact.md.
+      the rest verified as in "exact"; tau = 1.0 is "exact"). See docs/METHOD.md, "Exact and hybrid modes".
     tau: acceptance threshold read at the start of the run (a live source may change it
       between passes); 1.0 means one token per pass, whatever the metric.
     block_size: candidates per pass (B); None takes the checkpoint's.
@@ -44,15 +44,10 @@ class DecodeConfig:
       top1 - top2 probability margin >= tau.
     temperature: 0 is greedy; above 0 samples with Gumbel-max noise.
     stop: strings that end the output; the output ends with the stop string, as in transformers.
-    max_fed: cap on the tokens one decoding pass feeds (last pass's accepted tokens + masks),
-      for hardware where a pass's cost grows with its width (many CPUs); at least one mask
-      is fed whatever the cap, and the prefill pass always gets B-1. None feeds B-1 masks
-      every pass, as the method describes; "auto" is the cap measured for the model's CPU
-      compute path (kernels.py), else None. Candidates are a prefix of the B candidates,
-      so a cap trades tokens per pass for cheaper passes; the acceptance rule is the same.
-      Single-sequence "mars" only: batch passes are wide anyway, and a verifying pass
-      ("exact", "hybrid") feeds about 3B - 2 tokens whatever the cap (its width is set
-      by the block size; docs/METHOD-exact.md has the measured trade).
+    max_fed: cap on the tokens one pass feeds (last pass's tokens + masks; at least one mask;
+      the prefill always gets B-1), for CPUs where a pass's cost grows with its width. None is
+      the paper's full window; "auto" the cap measured for the model's CPU compute path
+      (kernels.py), else None. Single-sequence "mars" only (docs/METHOD.md, "Decoding").
     """
 
     mode: Mode = "mars"

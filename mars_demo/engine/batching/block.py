@@ -1,28 +1,13 @@
-"""Block-level batch decoding (METHOD.md, "Block-level KV cache for batches").
+"""Block-level batch decoding, the paper's scheme (docs/METHOD.md, "Batches").
 
-The output is cut into blocks of B tokens counted from the first generated token;
-left padding puts block k at the same columns in every row. While a block fills,
-the prefix cache stays fixed: each pass re-feeds the block (accepted tokens, then
-masks) and every row accepts its confident prefix, never past the block's end.
-When every live row has filled the block, the cache is extended with it.
-
-That extension is folded into the next block's first pass, which feeds
-[filled block | B-1 masks]. It is exact: attention is causal, so the block's keys
-and values do not depend on the masks after it, and the pass equals an extension
-pass followed by a pass over the masks, with one forward pass fewer per block.
-Fast rows wait at the boundary (empty steps); a finished row leaves the batch
-(its cache row is dropped) and stays finished.
-
-At tau = 1.0 only candidate 1 can pass, so no pass feeds masks: the block-start pass
-feeds the filled block alone, and while every live row holds the same number of the
-block's tokens, an "extend" pass feeds each row's newest token and keeps it in the
-cache (the cache then holds the first ``cached`` tokens of the block; later passes
-re-feed only the rest). Rows that are not level (tau was lower earlier in the block)
-refill as usual until the block is full.
-
-Single-row semantics, which each row of a batch reproduces token for token: the
-sliding-window decoder of decoding.py with every pass's candidates capped at the
-end of the current block (batching.reference.reference_block_decode).
+Blocks of B output tokens sit at the same columns in every row (left padding). While a block
+fills, the prefix cache stays fixed: each pass re-feeds the block (accepted tokens, then masks)
+and every row accepts its confident prefix, never past the block's end; fast rows wait at the
+boundary. The cache is extended with the filled block in the next block's first pass
+([filled block | B-1 masks]): exact, as attention is causal, and one pass fewer per block.
+At tau = 1.0 no pass feeds masks: while the rows are level, "extend" passes keep each row's
+newest token in the cache. Each row equals the block-capped sliding window decoded alone
+(batching.reference.reference_block_decode), token for token.
 """
 
 from __future__ import annotations
@@ -33,10 +18,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from ..acceptance import accept_rows
 from ..decoding import LiveTau
 from ..placement import SeededGenerator
 from .events import BatchEvent
-from .rows import PaddedCache, RowBook, Window, accept_rows, left_pad, limit_new_tokens
+from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
 
 def open_block(ext: list[list[int]], ext_attn: list[list[int]], first_pos: list[int], rooms: list[int], masks: int, mask_id: int) -> Window:

@@ -1,7 +1,7 @@
 """The tau sweep: decode a set of prompts at several tau values and measure the speed/quality frontier.
 
 Quality is agreement with the tau = 1.0 output of the same prompt (one token per
-pass, METHOD.md "Decoding"): the common prefix of the two token-id sequences over
+pass, docs/METHOD.md "Decoding"): the common prefix of the two token-id sequences over
 the longer one, the same measure as ``eval`` and ``bench`` report.
 Speed is tokens per forward pass, and tokens per second over the AR baseline on
 the same weights, each clock counting only its own passes; rates are pooled over
@@ -17,12 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .config import DecodeConfig, check_tau
-from .decoding import collect, generate
-from .evaluation import prefix_agreement
-from .loading import LoadedModel
-
-REFERENCE_TAU = 1.0
+from ..engine.config import DecodeConfig, check_tau
+from ..engine.decoding import collect, generate
+from ..engine.loading import LoadedModel
+from ..engine.metrics import REFERENCE_TAU, Rates, agreement, exact_match, speedup
 
 
 @dataclass(frozen=True)
@@ -40,6 +38,10 @@ class SweepRun:
     @property
     def tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def rates(self) -> Rates:
+        return Rates(self.tokens, self.forward_passes, self.seconds)
 
 
 @dataclass(frozen=True)
@@ -81,13 +83,8 @@ def sweep_runs(lm: LoadedModel, prompts: Sequence[str], taus: Sequence[float], c
         )
 
 
-def _rate(runs: Sequence[SweepRun]) -> float:
-    seconds = sum(r.seconds for r in runs)
-    return sum(r.tokens for r in runs) / seconds if seconds > 0 else 0.0
-
-
 def frontier(runs: Sequence[SweepRun]) -> list[FrontierPoint]:
-    """One point per tau (highest first), from whatever runs have finished so far."""
+    """One point per tau (highest first), from whatever runs have finished so far (engine.metrics definitions)."""
     reference = {r.prompt: r for r in runs if r.mode == "mars" and r.tau == REFERENCE_TAU}
     baseline = {r.prompt: r for r in runs if r.mode == "ar"}
     points = []
@@ -95,18 +92,18 @@ def frontier(runs: Sequence[SweepRun]) -> list[FrontierPoint]:
         mine = [r for r in runs if r.mode == "mars" and r.tau == tau and r.prompt in reference]
         if not mine:
             continue
-        scores = [prefix_agreement(reference[r.prompt].token_ids, r.token_ids) for r in mine]
+        outputs, references = [r.token_ids for r in mine], [reference[r.prompt].token_ids for r in mine]
         ar_runs = [baseline[r.prompt] for r in mine if r.prompt in baseline]
-        ar_rate = _rate(ar_runs) if len(ar_runs) == len(mine) else 0.0
+        rates = Rates.pool(r.rates for r in mine)
         points.append(
             FrontierPoint(
                 tau=tau,
                 prompts=len(mine),
-                tokens_per_forward=sum(r.tokens for r in mine) / max(sum(r.forward_passes for r in mine), 1),
-                tokens_per_second=_rate(mine),
-                speedup=_rate(mine) / ar_rate if ar_rate else None,
-                agreement=sum(scores) / len(scores),
-                exact=sum(s == 1.0 for s in scores) / len(scores),
+                tokens_per_forward=rates.tokens_per_forward,
+                tokens_per_second=rates.tokens_per_second,
+                speedup=speedup(rates, Rates.pool(r.rates for r in ar_runs)) if len(ar_runs) == len(mine) else None,
+                agreement=agreement(outputs, references),
+                exact=exact_match(outputs, references),
             )
         )
     return points

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .loading import LoadedModel
+from ..engine.loading import LoadedModel
+from ..engine.prompts import pad_id, prompt_ids, user_turn_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -35,22 +36,6 @@ OPENERS = (
     "Plan a", "Rewrite the following sentence", "Define", "Who was", "When did", "Outline",
     "Brainstorm", "Write a product description", "Write a tweet", "Should I", "Is it true that",
 )
-
-
-def user_turn_prefix(tokenizer) -> str:
-    """The chat template rendered up to the point where the user's words begin."""
-    sentinel = "\u2063SENTINEL\u2063"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
-    return text[: text.index(sentinel)]
-
-
-def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """Token ids of a prompt (a string or chat messages) under the chat template."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
 
 def _usable(text: str) -> bool:
@@ -75,7 +60,7 @@ def sample_prompts(
             ids = ids.to(model.device).repeat(batch_size, 1)  # same opener per batch: no padding
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_p=0.95,
-                max_new_tokens=max_tokens, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                max_new_tokens=max_tokens, eos_token_id=tok.eos_token_id, pad_token_id=pad_id(tok),
             )
             for row in out[:, ids.shape[1]:].tolist():
                 if tok.eos_token_id not in row:
@@ -140,7 +125,7 @@ def distill(
     done = {row["prompt"] for row in read_jsonl(out_path)}
     todo = [p for p in dict.fromkeys(prompts) if p not in done]
     encoded = sorted(((p, prompt_ids(tok, p)) for p in todo), key=lambda item: len(item[1]))
-    pad = tok.pad_token_id
+    pad = pad_id(tok)
     written = 0
     with open(out_path, "a", encoding="utf-8") as sink, tqdm(total=len(encoded), desc="distill") as bar:
         for batch in _batches(encoded, batch_size):

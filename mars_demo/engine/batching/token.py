@@ -23,11 +23,12 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import exact
+from ..acceptance import accept_rows
 from ..config import EXACT_IS_GREEDY
 from ..decoding import LiveTau
 from ..placement import SeededGenerator
 from .events import BatchEvent, RowStep
-from .rows import PaddedCache, RowBook, Window, accept_rows, left_pad, limit_new_tokens
+from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
 
 def slide(pending: list[list[int]], next_pos: list[int], rooms: list[int], B: int, mask_id: int, pad_id: int) -> Window:

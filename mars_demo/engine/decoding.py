@@ -1,11 +1,11 @@
-"""MARS sliding-window decoding and its AR baseline, with a KV cache (METHOD.md, "Decoding").
+"""MARS sliding-window decoding and its AR baseline, with a KV cache (docs/METHOD.md, "Decoding").
 
 One pass feeds [tokens accepted last pass | B-1 masks], reads B candidates (the
 last real token's output is the AR next-token distribution, mask j's output is
 the (j+1)-ahead guess), accepts the confident prefix, and crops the masks' entries
 off the cache. The AR baseline is the same loop with no masks, so both share the
 prefill, the cache type, the events and the timer. Exact and hybrid modes are the
-same loop with verifying passes (exact.py, docs/METHOD-exact.md).
+same loop with verifying passes (exact.py, docs/METHOD.md, "Exact and hybrid modes").
 
 Decoders are generators that yield one StepEvent per forward pass; the last event
 carries the run's totals. tau is read from a live source before every pass.
@@ -21,12 +21,14 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import exact
-from .acceptance import accept_count, choose, confidence
+from .acceptance import accept_prefix
+from .commit import commit_tokens, cut_at_stop_string
 from .compiled import compiled_forward, new_cache, rewind
 from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
-from .data import prompt_ids
 from .loading import LoadedModel
+from .metrics import Rates
 from .placement import SeededGenerator, input_device
+from .prompts import prompt_ids
 
 
 class LiveTau:
@@ -43,19 +45,10 @@ class LiveTau:
 
 
 @dataclass(frozen=True)
-class RunStats:
-    tokens: int
-    forward_passes: int
-    seconds: float
-    finish_reason: str  # "eos", "stop" or "length"
+class RunStats(Rates):
+    """A finished run's totals and rates (metrics.Rates), and why it finished."""
 
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.tokens / max(self.forward_passes, 1)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    finish_reason: str = "length"  # "eos", "stop" or "length"
 
 
 @dataclass(frozen=True)
@@ -111,7 +104,7 @@ class _Pass:
     seconds: float
     finish: str | None
     origins: list[str]
-    cached: int  # the cache's length after the pass: every committed token but those fed next pass
+    cached: int  # the cache's length after the pass (a 0-d tensor for a static cache: read it, it syncs)
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -148,17 +141,6 @@ def capped_width(window: int, fed_tokens: int, max_fed: int) -> int:
     return min(window, max(2, max_fed - fed_tokens + 1))
 
 
-def accept_prefix(logits: torch.Tensor, tau: float, metric: str, temperature: float, generator) -> tuple[list[int], list[float]]:
-    """Candidates of one pass and the accepted prefix, with a single host sync."""
-    tokens, probs = choose(logits, temperature, generator)  # (window,), (window, vocab)
-    conf = confidence(probs, tokens, metric)  # (window,)
-    n = accept_count(conf, tau, metric)  # ()
-    packed = torch.cat([tokens.double(), conf.double(), n.double().reshape(1)]).tolist()
-    window = tokens.shape[0]
-    n = int(packed[-1])
-    return [int(t) for t in packed[:n]], packed[window : window + n]
-
-
 def lookahead(window: int, verifying: bool) -> int:
     """Positions a pass may use past the newest committed token: B - 1 masks, or drafts + masks when verifying."""
     return 2 * window - 1 if verifying else window
@@ -171,6 +153,44 @@ def forward_fed(model: PreTrainedModel, cache: DynamicCache, fed: exact.Fed) -> 
         past_key_values=cache, use_cache=True, logits_to_keep=fed.keep,
     )
     return out.logits[0]
+
+
+def verify_pass(
+    model: PreTrainedModel, cache: DynamicCache, pending: list[int], drafts: list[int], lookahead: int, mask_id: int,
+    tau: float, metric: str, *, fallback: bool = True,
+) -> exact.Verdict:
+    """One verifying pass (exact.py): check the drafts, draft again, crop what is not kept off the cache."""
+    fed = exact.verify_window(
+        pending, drafts, lookahead, mask_id, cache.get_seq_length(), model.dtype, input_device(model),
+        fallback=fallback,
+    )
+    verdict = exact.verify(forward_fed(model, cache, fed), drafts, lookahead, tau, metric)
+    cache.crop(-(fed.width - len(pending) - verdict.cached))  # rejected drafts and both mask groups
+    return verdict
+
+
+def pass_cache(model: PreTrainedModel, length: int, verifying: bool) -> tuple[Cache, object]:
+    """(cache, compiled forward or None): a model compiled for decoding (compiled.py) runs its MARS / AR passes
+    after the prefill compiled, on a static cache of ``length``; verifying passes stay eager on a dynamic one."""
+    if verifying:
+        return DynamicCache(config=model.config), None
+    return new_cache(model, length), compiled_forward(model)
+
+
+def mars_pass(
+    model: PreTrainedModel, cache: Cache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
+    temperature: float, generator: SeededGenerator, call=None,
+) -> tuple[list[int], list[float]]:
+    """One MARS pass (AR: no masks): feed ``pending`` and ``masks``, accept, drop the masks off the cache.
+
+    Inputs go where ``masks`` is (the first layer's device); sampling happens on the logits' device.
+    """
+    fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=masks.device), masks], dim=1)
+    width = masks.shape[1] + 1
+    logits = forward_window(model, cache, fed, width, call)
+    tokens, confs = accept_prefix(logits, tau, metric, temperature, generator.on(logits.device))
+    rewind(cache, width - 1)  # accepted tokens are fed next pass
+    return tokens, confs
 
 
 @torch.inference_mode()
@@ -191,59 +211,46 @@ def decode_passes(
 ) -> Iterator[_Pass]:
     """The decoding loop in token space; ``window`` = 1 is plain AR decoding.
 
-    ``verifying``: the masks' guesses that tau does not accept become drafts that the
-    next pass verifies (exact.py; tau = 1.0 is lossless). The cache and its committed
-    length are local to this generator. ``max_fed`` caps the tokens fed after the
-    prefill of a non-verifying pass (see ``DecodeConfig``).
+    ``verifying``: the masks' guesses that tau does not accept become drafts that the next pass verifies
+    (exact.py; tau = 1.0 is lossless). The cache is local to this generator. ``max_fed`` caps the tokens
+    fed after the prefill of a non-verifying pass (see ``DecodeConfig``).
     """
     if verifying and temperature > 0:
         raise ValueError(EXACT_IS_GREEDY)
     check_prompt(model, len(prompt), lookahead(window, verifying))
-    device = input_device(model)  # inputs follow the first layer; logits come back from the last (placement.py)
     max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - lookahead(window, verifying) + 1)
     generator = SeededGenerator(seed)
-    masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=device)
-    # compiled.py: a model compiled for decoding runs MARS / AR passes after the prefill compiled, on a static cache
-    compiled = None if verifying else compiled_forward(model)
-    cache = DynamicCache(config=model.config) if verifying else new_cache(model, len(prompt) + max_new_tokens + window)
-    length = 0  # the cache's committed length (MARS / AR passes), kept here: no host sync to read it
+    masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=input_device(model))  # placement.py
+    cache, compiled = pass_cache(model, len(prompt) + max_new_tokens + window, verifying)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
     drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
+    compute = getattr(model, "mars_compute", None)  # kernels.ComputePath: the measured cost curve
+    depths = exact.DraftDepth(window - 1, compute.costs_ms if compute else None)
     produced = 0
     while True:
         tau_now = tau.get()
         started = time.perf_counter()
         if verifying:
-            fed = exact.verify_window(pending, drafts, window - 1, mask_id, cache.get_seq_length(), model.dtype, device)
-            verdict = exact.verify(forward_fed(model, cache, fed), drafts, window - 1, tau_now, metric)
+            # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
+            depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
+            drafts = drafts[:depth]
+            verdict = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback=fallback)
+            depths.observe(len(drafts), verdict.cached)
             tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
-            cache.crop(-(fed.width - len(pending) - verdict.cached))  # rejected drafts and both mask groups
             pending = tokens[verdict.cached :]
         else:
             # At tau = 1.0 only candidate 1 can be accepted: skip the masks and run a plain AR pass.
             width = 1 if tau_now >= 1.0 else window
             if width > 1 and max_fed is not None and produced:
                 width = capped_width(width, len(pending), max_fed)
-            fed_ids = torch.tensor([pending], dtype=torch.long, device=device)
-            fed = torch.cat([fed_ids, masks[:, : width - 1]], dim=1)
-            logits = forward_window(model, cache, fed, width, compiled if length else None)  # the prefill: eager
-            tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator.on(logits.device))
+            tokens, confs = mars_pass(model, cache, pending, masks[:, : width - 1], tau_now, metric, temperature,
+                                      generator, compiled if produced else None)  # the prefill stays eager
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
-            rewind(cache, width - 1)  # drop the masks; accepted tokens are fed next pass
-            length += len(pending)
             pending = tokens
-        tokens = tokens[: max_new_tokens - produced]
-        finish = None
-        for i, token in enumerate(tokens):
-            if token in stop_ids:
-                tokens, finish = tokens[: i + 1], "eos"
-                break
+        tokens, finish = commit_tokens(tokens, max_new_tokens - produced, stop_ids)
         produced += len(tokens)
-        if finish is None and produced >= max_new_tokens:
-            finish = "length"
         seconds = time.perf_counter() - started
-        cached = cache.get_seq_length() if verifying else length
-        yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cached)
+        yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length())
         if finish:
             return
 
@@ -275,28 +282,6 @@ class Detokenizer:
         after = self._decode(self.ids[self.prefix :])
         self.read = len(self.ids)
         return after[len(before) :]
-
-
-def _cut_at_stop(pieces: list[str], emitted: str, stops: tuple[str, ...]) -> int | None:
-    """If a stop string is now complete, trim ``pieces`` to end with it and return how many to keep.
-
-    The output keeps the stop string, as transformers' stop strings do: text already
-    streamed is never taken back, and a stop string may span several passes.
-    """
-    if not stops:
-        return None
-    text = emitted + "".join(pieces)
-    start = max(0, len(emitted) - max(map(len, stops)) + 1)
-    ends = [i + len(s) for s in stops if (i := text.find(s, start)) >= 0]
-    if not ends:
-        return None
-    end, length = min(ends), len(emitted)  # end > len(emitted): earlier passes had no complete stop
-    for k, piece in enumerate(pieces):
-        if length + len(piece) >= end:
-            pieces[k] = piece[: end - length]
-            return k + 1
-        length += len(piece)
-    return len(pieces)
 
 
 def stream(
@@ -333,7 +318,7 @@ def _events(passes: Iterator[_Pass], detok: Detokenizer, stops: tuple[str, ...])
     for index, step in enumerate(passes):
         pieces = [detok.push(t) for t in step.tokens]
         finish = step.finish
-        keep = _cut_at_stop(pieces, emitted, stops)
+        keep = cut_at_stop_string(pieces, emitted, stops)
         if keep is not None:
             step.tokens[keep:], pieces[keep:], finish = [], [], "stop"
         elif finish and pieces:
@@ -362,7 +347,13 @@ def generate(
     """Apply the chat template to ``prompt`` (text or messages) and stream its decoding."""
     if isinstance(prompt, str) and not prompt.strip():
         raise ValueError("the prompt is empty")
-    ids = prompt_ids(lm.tokenizer, prompt)
+    return stream_ids(lm, prompt_ids(lm.tokenizer, prompt), config, tau)
+
+
+def stream_ids(
+    lm: LoadedModel, ids: list[int], config: DecodeConfig = DecodeConfig(), tau: LiveTau | None = None
+) -> Iterator[StepEvent]:
+    """Stream the decoding of token ids ``ids`` (chat template already applied) with a loaded model."""
     return stream(
         lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=lm.meta.block_size, tau=tau
     )

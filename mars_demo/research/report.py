@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from .bench import TAU_METHODS
+from .tables import cell, text_table
 
 COLUMNS = (  # (key, header, format)
     ("method", "method", "{}"),
@@ -24,23 +25,14 @@ COLUMNS = (  # (key, header, format)
     ("forward_passes", "passes", "{}"),
     ("tokens", "tokens", "{}"),
     ("speedup", "speedup", "{:.2f}x"),
-    ("delta_nll", "dNLL", "{:+.3f}"),
+    ("delta_nll_self", "dNLL self", "{:+.3f}"),
     ("agreement", "agree", "{:.3f}"),
 )
 
 
-def _cell(value, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
-
-
 def format_table(runs: list[dict]) -> str:
     """A fixed-width text table of the runs, one line each."""
-    rows = [[header for _, header, _ in COLUMNS]]
-    rows += [[_cell(run.get(key), fmt) for key, _, fmt in COLUMNS] for run in runs]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(runs, COLUMNS, left=1)
 
 
 def _label(run: dict) -> str:
@@ -73,7 +65,7 @@ def speed_quality(runs: list[dict]) -> go.Figure:
     for method in dict.fromkeys(r["method"] for r in runs):
         items = [r for r in runs if r["method"] == method and r.get("speedup") is not None]
         fig.add_trace(go.Scatter(
-            x=[r["delta_nll"] for r in items], y=[r["speedup"] for r in items], mode="markers", name=method,
+            x=[r["delta_nll_self"] for r in items], y=[r["speedup"] for r in items], mode="markers", name=method,
             text=[f"{_label(r)}<br>agreement {r['agreement']:.3f}<br>{r['tokens_per_forward']:.2f} tok/fwd" for r in items],
             hovertemplate="%{text}<br>dNLL %{x:+.3f}<br>speed-up %{y:.2f}x<extra></extra>", marker={"size": 10},
         ))
@@ -119,7 +111,7 @@ def to_html(report: dict) -> str:
         pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), default_height="460px") for i, fig in enumerate(figures)
     )
     machine = _html_table([[k, str(v)] for k, v in report["machine"].items()], ["", ""])
-    table = _html_table([[_cell(r.get(k), f) for k, _, f in COLUMNS] for r in runs], [h for _, h, _ in COLUMNS])
+    table = _html_table([[cell(r.get(k), f) for k, _, f in COLUMNS] for r in runs], [h for _, h, _ in COLUMNS])
     style = "body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:1em 0}" \
             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}code{background:#f4f4f4;padding:2px 4px}"
     return (

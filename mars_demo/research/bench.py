@@ -4,23 +4,16 @@ Runs (method, tau, batch size), each over all prompts:
   hf_generate       transformers ``generate``, greedy, KV cache: the reference AR (batch 1)
   ar                this project's AR decoder (decoding.stream, mode "ar")
   mars              MARS sliding window (decoding.stream) at each tau
-  mars_exact        exact mode (decoding.stream, mode "exact"): the masks draft, the next
-                    pass verifies; greedy AR's output in fewer passes (docs/METHOD-exact.md)
+  mars_exact        exact mode (decoding.stream, mode "exact"): greedy AR's output in fewer passes
   prompt_lookup     transformers prompt-lookup decoding: the training-free peer (batch 1 only)
   ar_batch          transformers ``generate`` with left padding, at each batch size > 1
   ar_batch_ours     batching.token_passes with window 1: our batched greedy AR
   mars_batch        block-level batch decoder (the paper's scheme) at each tau
   mars_batch_token  token-level batch decoder at each tau
 
-Figures per run:
-  tokens_per_second  generated tokens / wall-clock seconds of the decoding calls
-  tokens_per_forward tokens / forward passes while the row was live, token-weighted
-                     over rows (AR = 1.0 at any batch size; waiting passes count)
-  speedup            tokens_per_second / that of the faster AR run at the same batch size
-  delta_nll          NLL per token of the outputs, teacher-forced by the same model one
-                     token at a time, minus that of hf_generate's outputs
-  agreement          mean over prompts of (length of the common prefix with hf_generate's
-                     output) / (length of the longer of the two): 1.0 = identical
+Figures per run: tokens_per_second, tokens_per_forward, speedup (over the faster AR run at the
+same batch size, named in ``speedup_over``), delta_nll_self and agreement, as engine/metrics.py
+defines them, against hf_generate's outputs (BENCHMARKS.md, "Columns").
 Each run is warmed up (same code path, first prompts, a few tokens) before it is timed.
 """
 
@@ -34,20 +27,26 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .batching import collect_batch, stream_batch
-from .batching.rows import left_pad
-from .config import DecodeConfig, check_tau, resolve_max_fed
-from .data import prompt_ids
-from .decoding import collect, eos_ids, stream
-from .evaluation import Scorer, pooled_nll, prefix_agreement
-from .kernels import cpu_model
-from .loading import LoadedModel
+from ..engine.batching import collect_batch, stream_batch_ids
+from ..engine.batching.rows import left_pad
+from ..engine.commit import commit_tokens
+from ..engine.config import DecodeConfig, check_tau, resolve_max_fed
+from ..engine.decoding import collect, eos_ids, stream_ids
+from ..engine.kernels import cpu_model
+from ..engine.loading import LoadedModel
+from ..engine.metrics import agreement, exact_match, per_forward, per_second, speedup
+from ..engine.prompts import pad_id, prompt_ids
+from .evaluation import Scorer, pooled_nll
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations are not evaluated at run time
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +108,7 @@ def plan(config: BenchConfig) -> list[Job]:
 
     def jobs_for(methods: Sequence[str], batch_size: int) -> list[Job]:
         wanted = [m for m in methods if m in config.methods and m != "hf_generate"]
-        fixed = lambda m: (None,) if m == "prompt_lookup" else (1.0,)  # noqa: E731
+        fixed = lambda m: (None,) if m == "prompt_lookup" else (1.0,)
         return [Job(m, t, batch_size) for m in wanted for t in (taus if m in TAU_METHODS else fixed(m))]
 
     jobs = [Job("hf_generate", 1.0, 1)]
@@ -143,10 +142,7 @@ def counting_forwards(model: PreTrainedModel) -> Iterator[list[int]]:
 
 def cut_at_stop(row: list[int], stop_ids: set[int]) -> list[int]:
     """A generated row up to and including its first stop token (transformers pads after it)."""
-    for i, token in enumerate(row):
-        if token in stop_ids:
-            return row[: i + 1]
-    return row
+    return commit_tokens(row, len(row), stop_ids)[0]
 
 
 Tick = Callable[[int], object]  # progress: called with the number of prompts just finished
@@ -160,7 +156,7 @@ def run_hf(lm: LoadedModel, prompts: list[list[int]], batch_size: int, max_new: 
     """transformers ``generate``, greedy, left-padded batches; ``extra`` e.g. prompt_lookup_num_tokens."""
     model, tok = lm.model, lm.tokenizer
     stop = eos_ids(model, tok)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad = pad_id(tok)
     result = Outcome()
     for chunk in _chunks(prompts, batch_size):
         ids, attn = left_pad(chunk, pad)
@@ -187,7 +183,7 @@ def run_single(lm: LoadedModel, prompts: list[list[int]], config: DecodeConfig, 
     result = Outcome()
     for ids in prompts:
         started = time.perf_counter()
-        gen = collect(stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=lm.meta.block_size))
+        gen = collect(stream_ids(lm, ids, config))
         _sync(lm.model)
         result.seconds += time.perf_counter() - started
         result.outputs.append(gen.token_ids)
@@ -204,10 +200,7 @@ def run_batch(
     result = Outcome()
     for chunk in _chunks(prompts, batch_size):
         started = time.perf_counter()
-        gen = collect_batch(stream_batch(
-            lm.model, lm.tokenizer, chunk, config, mask_id=lm.meta.mask_token_id,
-            block_size=lm.meta.block_size, scheme=scheme,
-        ))
+        gen = collect_batch(stream_batch_ids(lm, chunk, config, scheme=scheme))
         _sync(lm.model)
         result.seconds += time.perf_counter() - started
         result.outputs += gen.token_ids
@@ -229,12 +222,6 @@ def run_job(
     if job.method in ("ar", "mars", "mars_exact"):
         return run_single(lm, prompts, decode, tick)
     return run_batch(lm, prompts, job.batch_size, decode, SCHEME[job.method], tick)
-
-
-def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
-    """Mean over prompts of common-prefix length / length of the longer output (1.0 = identical)."""
-    scores = [prefix_agreement(o, r) for o, r in zip(outputs, reference)]
-    return sum(scores) / max(len(scores), 1)
 
 
 def nll_per_token(scorer: Scorer, outputs: list[list[int]]) -> float:
@@ -275,13 +262,13 @@ def summarise(job: Job, outcome: Outcome, reference: list[list[int]], scorer: Sc
         "prompts": len(outcome.outputs),
         "tokens": tokens,
         "seconds": round(outcome.seconds, 4),
-        "tokens_per_second": round(tokens / outcome.seconds, 3) if outcome.seconds > 0 else 0.0,
+        "tokens_per_second": round(per_second(tokens, outcome.seconds), 3),
         "forward_passes": outcome.forward_passes,
-        "tokens_per_forward": round(tokens / max(sum(outcome.row_passes), 1), 4),
-        "nll": round(nll, 5),
-        "delta_nll": round(nll - ref_nll, 5),
+        "tokens_per_forward": round(per_forward(tokens, sum(outcome.row_passes)), 4),
+        "nll_self": round(nll, 5),
+        "delta_nll_self": round(nll - ref_nll, 5),
         "agreement": round(agreement(outcome.outputs, reference), 4),
-        "exact_match": round(sum(o == r for o, r in zip(outcome.outputs, reference)) / max(len(reference), 1), 4),
+        "exact_match": round(exact_match(outcome.outputs, reference), 4),
     }
 
 
@@ -291,7 +278,8 @@ def add_speedups(runs: list[dict]) -> None:
         ars = [r for r in runs if r["method"] in AR_METHODS and r["batch_size"] == run["batch_size"]]
         best = max(ars, key=lambda r: r["tokens_per_second"], default=None)
         ok = best is not None and best["tokens_per_second"] > 0
-        run["speedup"] = round(run["tokens_per_second"] / best["tokens_per_second"], 4) if ok else None
+        gain = speedup(run["tokens_per_second"], best["tokens_per_second"]) if ok else None
+        run["speedup"] = round(gain, 4) if gain is not None else (0.0 if ok else None)
         run["speedup_over"] = best["method"] if ok else None
 
 
@@ -317,7 +305,7 @@ class PassClock:
             self.seconds[name] += time.perf_counter() - self._started.pop(name)
         return hook
 
-    def __enter__(self) -> PassClock:
+    def __enter__(self) -> Self:
         for name, module in self.parts.items():
             self._handles += [module.register_forward_pre_hook(self._pre(name)), module.register_forward_hook(self._post(name))]
         return self
@@ -346,12 +334,12 @@ def profile_passes(
         seconds = 0.0
         with PassClock(lm.model) as clock:
             for ids in tqdm(prompts[:limit], desc=f"profile {name}", disable=not progress, leave=False):
-                for event in stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=block_size):
+                for event in stream_ids(lm, ids, config.with_(block_size=block_size)):
                     passes, tokens, seconds = passes + 1, tokens + len(event.token_ids), seconds + event.seconds
         parts = {**clock.seconds, "acceptance_and_host": max(seconds - sum(clock.seconds.values()), 0.0)}
         profile[name] = {
             "passes": passes,
-            "tokens_per_forward": round(tokens / max(passes, 1), 4),
+            "tokens_per_forward": round(per_forward(tokens, passes), 4),
             "ms_per_pass": {k: round(1000 * v / max(passes, 1), 4) for k, v in parts.items()} | {"total": round(1000 * seconds / max(passes, 1), 4)},
             "share": {k: round(v / seconds, 4) if seconds > 0 else 0.0 for k, v in parts.items()},
         }

@@ -1,21 +1,14 @@
 """CPU compute paths for decoding: fp32, bf16 or int8 weights, chosen by measuring this machine.
 
-The cost of a cached forward pass by tokens fed differs from CPU to CPU (docs/COMPUTE.md
-has the curves): one machine's fp32 GEMM is flat up to 3 rows, another's doubles at 2.
-So ``select`` times each path on the machine at hand, keeps the table beside the
-converted weights (keyed by CPU model, threads and library versions), checks each
-path's quality against fp32 (teacher-forced dNLL on a fixed text), and picks the
-fastest path that passes. The tokens-fed cap for MARS passes comes from the same curve.
+What a wider pass costs differs from CPU to CPU (BENCHMARKS.md has the curves), so ``select``
+times each path here, checks its teacher-forced dNLL against fp32, caches the table (keyed by
+CPU model, threads, library versions and model) and picks the fastest path that passes; the
+MARS pass-width cap comes from the same curve (docs/METHOD.md, "CPU compute paths").
 
-Every non-fp32 path is *row-exact*: a row's output of a pass does not depend on the
-other rows fed with it, bit for bit. Two pieces make it so:
-  * ``Int8Linear``: int8 weights (one scale per output channel), bf16 activations,
-    ``torch._weight_int8pack_mm``; each output row is its own dot products. There is
-    no activation quantisation, so no scale shared across rows.
-  * ``row_exact_attention``: a decoding pass's rows attend one at a time, each as a
-    one-token pass over the keys it may see, so a row's arithmetic is that of the AR pass.
-Hence MARS at tau = 1.0 and exact (verified) decoding equal one-token AR on these paths.
-fp32 stays on the stock kernels (MKL's GEMV and GEMM round differently; ~1e-5).
+Every non-fp32 path is row-exact, a row's output bit for bit independent of the rows fed with
+it: ``Int8Linear`` (per-output-channel int8 weights, bf16 activations, no activation scale
+shared across rows) and ``row_exact_attention`` (each row attends as a one-token pass). So
+MARS at tau = 1.0 and exact decoding equal one-token AR on these paths.
 """
 
 from __future__ import annotations
@@ -46,7 +39,7 @@ MAX_COST_SHARE = 1.15
 # auto never picks a path whose teacher-forced NLL on the calibration texts exceeds fp32's by more.
 DNLL_LIMIT = 0.03
 # Calibration: CALIBRATION_TEXT and the first rows of held-out chat answers (none trained on).
-CALIBRATION_FILE = Path(__file__).resolve().parent.parent / "assets" / "data" / "heldout_val64.jsonl"
+CALIBRATION_FILE = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_val64.jsonl"
 CALIBRATION_ROWS = 4
 # Passes up to this many rows attend row by row; longer ones (prefills) in one call,
 # the same for every decoder, so they need no row-exactness.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ..acceptance import accept_count, choose, confidence
+from ..commit import commit_tokens
 from ..decoding import RunStats, context_limit
 from ..placement import input_device
 from .events import BatchStats, RowStep
@@ -119,38 +119,6 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, width: int | None = Non
     return ids, attn
 
 
-def accept_rows(
-    logits: torch.Tensor,
-    start: list[int],
-    cap: list[int],
-    tau: float,
-    metric: str = "probability",
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> tuple[list[list[int]], list[list[float]]]:
-    """Each row's candidates and accepted prefix, with a single host sync for the whole batch.
-
-    logits: (rows, window, vocab). Row r's candidates are the outputs at columns
-    start[r], start[r] + 1, ... of the window; it may accept at most cap[r] of them
-    (0 for a row that is waiting or finished). Candidate 1 is always accepted
-    when cap[r] >= 1, the rest by acceptance.accept_count.
-    """
-    rows, window = logits.shape[:2]
-    device = logits.device
-    tokens, probs = choose(logits, temperature, generator)  # (rows, window), (rows, window, vocab)
-    conf = confidence(probs, tokens, metric)  # (rows, window)
-    index = (torch.tensor(start, device=device)[:, None] + torch.arange(window, device=device)).clamp(0, window - 1)
-    tokens, conf = tokens.gather(1, index), conf.gather(1, index)  # candidates 1..window of each row
-    n = accept_count(conf, tau, metric).minimum(torch.tensor(cap, device=device))  # (rows,)
-    packed = torch.cat([tokens.double(), conf.double(), n.double()[:, None]], dim=1).tolist()
-    out_tokens, out_conf = [], []
-    for row in packed:
-        k = int(row[-1])
-        out_tokens.append([int(t) for t in row[:k]])
-        out_conf.append(row[window : window + k])
-    return out_tokens, out_conf
-
-
 def limit_new_tokens(model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, lookahead: int) -> int:
     """``max_new_tokens``, lowered so that no fed column (``lookahead`` past the last token) passes the context."""
     if not prompts:
@@ -190,15 +158,8 @@ class RowBook:
             return RowStep()
         self.passes[r] += 1
         self._in_pass.append(r)
-        tokens = tokens[: self.room(r)]
-        finish = None
-        for i, token in enumerate(tokens):
-            if token in self.stop_ids:
-                tokens, finish = tokens[: i + 1], "eos"
-                break
+        tokens, finish = commit_tokens(tokens, self.room(r), self.stop_ids)
         self.produced[r] += len(tokens)
-        if finish is None and self.produced[r] >= self.max_new_tokens:
-            finish = "length"
         self.finish[r] = finish
         return RowStep(tuple(tokens), tuple(confs[: len(tokens)]), finish)
 

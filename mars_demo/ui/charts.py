@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .decoding import StepEvent
+from ..engine.decoding import StepEvent
+from ..engine.metrics import Rates, common_prefix, speedup
 
 if TYPE_CHECKING:
     from .sweep import FrontierPoint
@@ -32,45 +32,12 @@ HEIGHT = 300
 FONT = "Inter, ui-sans-serif, system-ui, sans-serif"
 
 
-@dataclass(frozen=True)
-class Summary:
-    """Totals of one side so far: tokens, forward passes and the seconds its own passes took."""
-
-    tokens: int
-    passes: int
-    seconds: float
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.tokens / self.passes if self.passes else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def summarize(steps: Sequence[StepEvent]) -> Summary:
-    return Summary(
-        tokens=sum(len(s.token_ids) for s in steps),
-        passes=len(steps),
-        seconds=sum(s.seconds for s in steps),
-    )
-
-
 def agreement_text(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None) -> str:
     """How far the two outputs agree: common prefix / the longer output, in tokens ("—" without AR)."""
     if ar is None:
         return "—"
     m, a = [t for s in mars for t in s.token_ids], [t for s in ar for t in s.token_ids]
-    common = next((i for i, (x, y) in enumerate(zip(m, a)) if x != y), min(len(m), len(a)))
-    return f"{common}/{max(len(m), len(a))}" + (" (identical)" if m == a and m else "")
-
-
-def speedup(mars: Summary, ar: Summary | None) -> float | None:
-    """MARS tokens/s over AR tokens/s, or None while either side has no rate yet."""
-    if ar is None or not ar.tokens_per_second or not mars.tokens_per_second:
-        return None
-    return mars.tokens_per_second / ar.tokens_per_second
+    return f"{common_prefix(m, a)}/{max(len(m), len(a))}" + (" (identical)" if m == a and m else "")
 
 
 def _style(fig: go.Figure, title: str, height: int = HEIGHT) -> go.Figure:
@@ -164,7 +131,7 @@ def passes_histogram(mars: Sequence[StepEvent], block_size: int | None = None) -
             hovertemplate="%{y} pass(es) accepted %{x} token(s)<extra></extra>",
         )
     )
-    mean = summarize(mars).tokens_per_forward
+    mean = Rates.of_steps(mars).tokens_per_forward
     title = "MARS: passes by tokens accepted"
     if mars:
         fig.add_vline(x=mean, line={"color": TAU_COLOR, "dash": "dot", "width": 2})
@@ -174,17 +141,17 @@ def passes_histogram(mars: Sequence[StepEvent], block_size: int | None = None) -
     return _style(_waiting(fig, mars), title)
 
 
-def _fmt(value: float | int | None, pattern: str) -> str:
+def _fmt(value: float | None, pattern: str) -> str:
     return "—" if value is None else format(value, pattern)
 
 
 def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None) -> go.Figure:
     """Tokens/s, tokens/forward, passes, time and speedup over AR, for both sides."""
-    m = summarize(mars)
-    a = summarize(ar) if ar is not None else None
+    m = Rates.of_steps(mars)
+    a = Rates.of_steps(ar) if ar is not None else None
     rows = [
         ("tokens", _fmt(m.tokens, "d"), _fmt(a and a.tokens, "d")),
-        ("forward passes", _fmt(m.passes, "d"), _fmt(a and a.passes, "d")),
+        ("forward passes", _fmt(m.forward_passes, "d"), _fmt(a and a.forward_passes, "d")),
         ("tokens / forward", _fmt(m.tokens_per_forward, ".2f"), _fmt(a and a.tokens_per_forward, ".2f")),
         ("time, own passes (s)", _fmt(m.seconds, ".2f"), _fmt(a and a.seconds, ".2f")),
         ("tokens / s", _fmt(m.tokens_per_second, ".1f"), _fmt(a and a.tokens_per_second, ".1f")),

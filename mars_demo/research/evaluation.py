@@ -3,35 +3,23 @@
 Every prompt is decoded by the AR decoder (mode "ar"), by MARS at tau = 1.0 (the
 reference output) and by MARS at each other tau, in that order, prompt after prompt,
 so that machine load falls on all of them alike; one warm-up decode of each mode
-comes first. All decoding is greedy. Figures per tau, pooled over the prompts:
+comes first. All decoding is greedy. Figures per tau, pooled over the prompts, are
+those of engine/metrics.py (``DEFINITIONS`` below says each in a line, and goes into
+the JSON report); besides them:
 
-  tokens_per_forward  total tokens / total forward passes.
-  speedup             sum of AR seconds / sum of MARS seconds on the same prompts
-                      (each decoder's own timer: its forward passes and acceptance).
+  time_ratio          sum of AR seconds / sum of MARS seconds on the same prompts
+                      (each decoder's own timer); ``speedup`` is the tokens/s ratio.
   extra_ar_match      share of the extra-accepted tokens (the 2nd, 3rd, ... token of a
                       pass) that equal the evaluated model's argmax given the accepted
                       prefix, i.e. that AR would also have chosen there; read from one
                       teacher-forced pass over prompt + output. 1.0 when a tau accepts
                       no extra token (``extra_tokens`` = 0 says so). ``by_position``
-                      gives the same share per in-pass position; position 1 is the AR
-                      token itself and matches up to float noise.
-  prefix_agreement    mean over prompts of (common prefix length with the tau = 1.0
-                      output) / (length of the longer of the two); 1.0 iff identical.
-  exact_match         share of prompts whose output equals the tau = 1.0 output.
-  delta_nll           NLL per token under the base model (teacher-forced) of the MARS
-                      outputs minus that of the tau = 1.0 outputs; each NLL per token is
-                      token-weighted over the prompts (sum of token NLLs / total tokens).
+                      gives the same share per in-pass position.
   repeated_ngrams     share of the outputs' token 4-grams that already occurred earlier in
                       the same output, pooled: loops lower the NLL, so read dNLL beside it.
-Once per run: tau1_vs_base_nll, the same pooled NLL per token of the tau = 1.0 outputs
-minus that of the base model's own greedy outputs (decoded with the base model); and
-base_argmax_agreement, the share of the base's greedy output tokens that the evaluated
-model's teacher-forced argmax reproduces: one-token drift from the base without the
-noise of where two greedy outputs part.
-
-The metric functions (``teacher_forced``, ``mean_nll``, ``prefix_agreement``,
-``pass_positions``, ``ar_match``, ``repeated_ngrams``, ``argmax_agreement``) are
-pure and small, for reuse by the benchmark.
+Once per run: tau1_vs_base_nll (the base-scored NLL of the tau = 1.0 outputs minus that
+of the base model's own greedy outputs) and base_argmax_agreement (the share of the
+base's greedy output tokens that the evaluated model's teacher-forced argmax reproduces).
 """
 
 from __future__ import annotations
@@ -45,29 +33,33 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .config import DecodeConfig, check_tau, resolve_max_fed
-from .data import prompt_ids
-from .decoding import collect, stream
-from .loading import LoadedModel
+from ..engine.config import DecodeConfig, check_tau, resolve_max_fed
+from ..engine.decoding import collect, stream_ids
+from ..engine.loading import LoadedModel
+from ..engine.metrics import REFERENCE_TAU, Rates, agreement, exact_match, prefix_agreement, speedup
+from ..engine.metrics import pooled_nll as pooled
+from ..engine.prompts import prompt_ids
 
 logger = logging.getLogger(__name__)
 
-REFERENCE_TAU = 1.0
 NGRAM = 4  # repeated_ngrams counts token 4-grams
-# Written into the JSON report so that it explains itself; the module docstring says the same.
+# Written into the JSON report so that it explains itself.
 DEFINITIONS = {
     "tokens_per_forward": "total tokens / total forward passes, over the prompts",
-    "speedup": "sum of AR decoder seconds / sum of MARS seconds, same prompts, runs interleaved per prompt",
-    "tokens_per_second_ratio": "MARS tokens per second / AR tokens per second (differs from speedup when lengths differ)",
+    "tokens_per_second": "total tokens / total seconds of the decoder's own passes, over the prompts",
+    "speedup": "tokens_per_second / that of the AR decoder on the same prompts (runs interleaved per prompt)",
+    "time_ratio": "sum of AR decoder seconds / sum of MARS seconds on the same prompts",
     "extra_ar_match": "share of tokens beyond the first of each pass that equal the evaluated model's "
     "teacher-forced argmax given the accepted prefix; 1.0 when extra_tokens is 0",
     "by_position": "the same share per in-pass position (1 = the AR token of the pass)",
-    "prefix_agreement": "mean over prompts of common prefix with the tau=1.0 output / length of the longer of the two",
+    "agreement": "mean over prompts of common prefix with the tau=1.0 output / length of the longer of the two",
     "exact_match": "share of prompts whose output equals the tau=1.0 output",
-    "nll": "NLL per token under the base model, teacher-forced, token-weighted over prompts",
-    "delta_nll": "nll of this tau's outputs minus nll of the tau=1.0 outputs",
+    "nll_base": "NLL per token under the base model, teacher-forced, token-weighted over prompts",
+    "nll_self": "NLL per token under the evaluated model itself, teacher-forced, token-weighted over prompts",
+    "delta_nll_base": "nll_base of this tau's outputs minus nll_base of the tau=1.0 outputs",
+    "delta_nll_self": "nll_self of this tau's outputs minus nll_self of the tau=1.0 outputs",
     "repeated_ngrams": f"share of token {NGRAM}-grams that repeat an earlier one in the same output, pooled",
-    "tau1_vs_base_nll": "nll of the tau=1.0 outputs minus nll of the base model's own greedy outputs",
+    "tau1_vs_base_nll": "nll_base of the tau=1.0 outputs minus nll_base of the base model's own greedy outputs",
     "base_argmax_agreement": "share of the base's greedy output tokens equal to the evaluated model's "
     "teacher-forced argmax at that position",
 }
@@ -122,9 +114,8 @@ def mean_nll(model: PreTrainedModel, prompt: Sequence[int], output: Sequence[int
 
 
 def pooled_nll(scores: Sequence[Scored]) -> float:
-    """Token-weighted NLL per token over several outputs: sum of token NLLs / total tokens (0.0 if none)."""
-    tokens = sum(s.tokens for s in scores)
-    return sum(s.total for s in scores) / tokens if tokens else 0.0
+    """Token-weighted NLL per token over several outputs (metrics.pooled_nll): sum of token NLLs / total tokens."""
+    return pooled((s.total, s.tokens) for s in scores)
 
 
 def repeated_ngrams(output: Sequence[int], n: int = NGRAM) -> tuple[int, int]:
@@ -150,22 +141,6 @@ def argmax_agreement(scores: Sequence[Scored], outputs: Sequence[Sequence[int]])
     tokens = sum(len(o) for o in outputs)
     same = sum(a == t for s, o in zip(scores, outputs) for a, t in zip(s.argmax, o))
     return same / tokens if tokens else 1.0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def prefix_agreement(a: Sequence[int], b: Sequence[int]) -> float:
-    """Common prefix length / length of the longer sequence: 1.0 iff equal (also both empty), 0.0 if the first tokens differ."""
-    longer = max(len(a), len(b))
-    return common_prefix(a, b) / longer if longer else 1.0
 
 
 def pass_positions(pass_lengths: Sequence[int]) -> list[int]:
@@ -258,11 +233,13 @@ class Decoded:
     def forward_passes(self) -> int:
         return len(self.pass_lengths)
 
+    @property
+    def rates(self) -> Rates:
+        return Rates(self.tokens, self.forward_passes, self.seconds)
+
 
 def decode(lm: LoadedModel, ids: list[int], config: DecodeConfig) -> Decoded:
-    result = collect(
-        stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=lm.meta.block_size)
-    )
+    result = collect(stream_ids(lm, ids, config))
     return Decoded(
         token_ids=tuple(result.token_ids),
         pass_lengths=tuple(len(s.token_ids) for s in result.steps),
@@ -334,37 +311,31 @@ def score_all(runs: Runs, own: Scorer, base: Scorer, progress: bool = True) -> N
 
 def tau_row(
     tau: float, runs: list[Decoded], ar: list[Decoded], reference: list[Decoded], own: list[Scored], base: list[Scored],
-    reference_nll: float,
+    reference_nll: dict[str, float],
 ) -> dict:
-    """The pooled figures of one tau (see the module docstring)."""
-    tokens = sum(r.tokens for r in runs)
-    passes = sum(r.forward_passes for r in runs)
-    seconds = sum(r.seconds for r in runs)
-    ar_seconds = sum(r.seconds for r in ar)
-    ar_tokens = sum(r.tokens for r in ar)
+    """The pooled figures of one tau (see DEFINITIONS); ``own`` and ``base`` score ``runs`` with each model."""
+    rates, ar_rates = Rates.pool(r.rates for r in runs), Rates.pool(r.rates for r in ar)
     counts = merge_counts([ar_match(r.token_ids, s.argmax, r.pass_lengths) for r, s in zip(runs, own)])
     match, extras = extra_ar_match(counts)
-    agreement = [prefix_agreement(r.token_ids, ref.token_ids) for r, ref in zip(runs, reference)]
-    nll = pooled_nll(base)
-    tps = tokens / seconds if seconds > 0 else 0.0
-    ar_tps = ar_tokens / ar_seconds if ar_seconds > 0 else 0.0
+    outputs, references = [r.token_ids for r in runs], [r.token_ids for r in reference]
+    nll = {"base": pooled_nll(base), "self": pooled_nll(own)}
     return {
         "tau": tau,
-        "tokens": tokens,
-        "forward_passes": passes,
-        "tokens_per_forward": tokens / max(passes, 1),
-        "seconds": seconds,
-        "tokens_per_second": tps,
-        "speedup": ar_seconds / seconds if seconds > 0 else None,
-        "tokens_per_second_ratio": tps / ar_tps if ar_tps > 0 else None,
+        "tokens": rates.tokens,
+        "forward_passes": rates.forward_passes,
+        "tokens_per_forward": rates.tokens_per_forward,
+        "seconds": rates.seconds,
+        "tokens_per_second": rates.tokens_per_second,
+        "speedup": speedup(rates, ar_rates),
+        "time_ratio": ar_rates.seconds / rates.seconds if rates.seconds > 0 else None,
         "extra_tokens": extras,
         "extra_ar_match": match,
         "by_position": [{"position": k, "tokens": n, "ar_match": m / n} for k, (m, n) in counts.items()],
-        "prefix_agreement": sum(agreement) / len(agreement),
-        "exact_match": sum(a == 1.0 for a in agreement) / len(agreement),
-        "nll": nll,
-        "delta_nll": nll - reference_nll,
-        "repeated_ngrams": repetition([r.token_ids for r in runs]),
+        "agreement": agreement(outputs, references),
+        "exact_match": exact_match(outputs, references),
+        **{f"nll_{who}": value for who, value in nll.items()},
+        **{f"delta_nll_{who}": value - reference_nll[who] for who, value in nll.items()},
+        "repeated_ngrams": repetition(outputs),
     }
 
 
@@ -372,21 +343,19 @@ def summarise(runs: Runs, own: Scorer, base: Scorer, texts: list[str]) -> dict:
     """Score every output and pool the figures; ``own`` scores with the evaluated model, ``base`` with the base."""
     reference = runs.mars[REFERENCE_TAU]
     ref_nll = pooled_nll([base(i, r.token_ids) for i, r in enumerate(reference)])
+    ref_nll_self = pooled_nll([own(i, r.token_ids) for i, r in enumerate(reference)])
     base_nll = pooled_nll([base(i, r.token_ids) for i, r in enumerate(runs.base)])
     rows = []
     for tau, mine in runs.mars.items():
         own_scores = [own(i, r.token_ids) for i, r in enumerate(mine)]
         base_scores = [base(i, r.token_ids) for i, r in enumerate(mine)]
-        rows.append(tau_row(tau, mine, runs.ar, reference, own_scores, base_scores, ref_nll))
-    ar_seconds = sum(r.seconds for r in runs.ar)
+        rows.append(tau_row(tau, mine, runs.ar, reference, own_scores, base_scores,
+                            {"base": ref_nll, "self": ref_nll_self}))
+    ar = Rates.pool(r.rates for r in runs.ar)
     return {
         "prompts": len(texts),
-        "ar": {
-            "tokens": sum(r.tokens for r in runs.ar),
-            "forward_passes": sum(r.forward_passes for r in runs.ar),
-            "seconds": ar_seconds,
-            "tokens_per_second": sum(r.tokens for r in runs.ar) / ar_seconds if ar_seconds > 0 else 0.0,
-        },
+        "ar": {"tokens": ar.tokens, "forward_passes": ar.forward_passes, "seconds": ar.seconds,
+               "tokens_per_second": ar.tokens_per_second},
         "tau1_equals_ar": sum(r.token_ids == a.token_ids for r, a in zip(reference, runs.ar)) / len(texts),
         "tau1_nll": ref_nll,
         "base_greedy_nll": base_nll,
@@ -417,7 +386,7 @@ def _run_record(run: Decoded, reference: Decoded | None = None) -> dict:
         "finish_reason": run.finish_reason,
     }
     if reference is not None:
-        record["prefix_agreement"] = prefix_agreement(run.token_ids, reference.token_ids)
+        record["agreement"] = prefix_agreement(run.token_ids, reference.token_ids)
     return record
 
 

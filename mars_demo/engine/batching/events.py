@@ -4,7 +4,7 @@ Each event carries, per row, the tokens that pass accepted for it and their
 confidences (a row waiting at a block boundary, or already finished, gets an empty
 step), the tau in force and the pass's seconds, like decoding.StepEvent does for
 one sequence. Per-row totals are decoding.RunStats, so one row of a batch reads
-exactly like a single-sequence run.
+exactly like a single-sequence run; the batch's rates follow engine/metrics.py.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..decoding import RunStats
+from ..metrics import Rates
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,18 @@ class BatchStats:
         return sum(row.tokens for row in self.rows)
 
     @property
+    def rates(self) -> Rates:
+        """The rows pooled (tokens over the passes each row was live for), on the run's wall-clock seconds."""
+        return Rates(self.tokens, sum(row.forward_passes for row in self.rows), self.seconds)
+
+    @property
     def tokens_per_forward(self) -> float:
-        """Tokens a row gains per pass while it is live, averaged over rows (1.0 for AR at any batch size)."""
-        return sum(row.tokens_per_forward for row in self.rows) / max(len(self.rows), 1)
+        """Tokens a row gains per pass while it is live, token-weighted over rows (1.0 for AR at any batch size)."""
+        return self.rates.tokens_per_forward
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.rates.tokens_per_second
 
 
 @dataclass(frozen=True)

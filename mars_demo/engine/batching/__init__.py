@@ -1,4 +1,4 @@
-"""Batch decoding: several prompts per forward pass (METHOD.md, "Block-level KV cache for batches").
+"""Batch decoding: several prompts per forward pass (docs/METHOD.md, "Batches").
 
 Two schemes, one event type (events.BatchEvent), the same acceptance and cache:
   * "block" (block.py): the paper's block-level KV cache. Blocks of B; the prefix
@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import VERIFYING_MODES, DecodeConfig
-from ..data import prompt_ids
 from ..decoding import LiveTau, eos_ids
 from ..loading import LoadedModel
+from ..prompts import pad_id, prompt_ids
 from .block import block_passes
 from .events import BatchEvent, BatchGeneration, BatchStats, RowStep, collect_batch
 from .token import token_passes
@@ -28,8 +28,17 @@ SCHEMES = {"block": block_passes, "token": token_passes}
 DEFAULT_SCHEME = "token"
 
 __all__ = [
-    "SCHEMES", "DEFAULT_SCHEME", "BatchEvent", "BatchGeneration", "BatchStats", "RowStep",
-    "collect_batch", "decode_batch", "stream_batch", "generate_batch",
+    "DEFAULT_SCHEME",
+    "SCHEMES",
+    "BatchEvent",
+    "BatchGeneration",
+    "BatchStats",
+    "RowStep",
+    "collect_batch",
+    "decode_batch",
+    "generate_batch",
+    "stream_batch",
+    "stream_batch_ids",
 ]
 
 
@@ -59,11 +68,10 @@ def stream_batch(
         raise ValueError(f"{config.mode} mode runs on the token-level batch scheme only")
     if config.mode == "exact":
         tau = LiveTau(1.0)  # lossless, whatever a live tau says (decoding.stream)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return decode_batch(
         model, prompts, scheme=scheme,
         block_size=1 if config.mode == "ar" else (config.block_size or block_size),
-        mask_id=mask_id, pad_id=pad_id, tau=tau or LiveTau(config.tau), metric=config.metric,
+        mask_id=mask_id, pad_id=pad_id(tokenizer), tau=tau or LiveTau(config.tau), metric=config.metric,
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), seed=config.seed, **verifying,
     )
@@ -80,8 +88,19 @@ def generate_batch(
     """Apply the chat template to each prompt and stream their decoding as one batch."""
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise ValueError("the prompt is empty")
-    ids = [prompt_ids(lm.tokenizer, p) for p in prompts]
+    return stream_batch_ids(lm, [prompt_ids(lm.tokenizer, p) for p in prompts], config, scheme=scheme, tau=tau)
+
+
+def stream_batch_ids(
+    lm: LoadedModel,
+    prompts: Sequence[Sequence[int]],
+    config: DecodeConfig = DecodeConfig(),
+    *,
+    scheme: str = DEFAULT_SCHEME,
+    tau: LiveTau | None = None,
+) -> Iterator[BatchEvent]:
+    """Stream the batch decoding of token-id ``prompts`` (chat template applied) with a loaded model."""
     return stream_batch(
-        lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id,
+        lm.model, lm.tokenizer, prompts, config, mask_id=lm.meta.mask_token_id,
         block_size=lm.meta.block_size, scheme=scheme, tau=tau,
     )
