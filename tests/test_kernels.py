@@ -79,8 +79,10 @@ def test_auto_picks_the_fastest_path_that_keeps_quality():
     assert choose(table) == "bf16"
     table["int8"]["dnll"] = 0.02
     assert choose(table) == "int8"
-    table["bf16"]["costs_ms"] = {1: 20.4, 4: 30}  # within 3% at one token: the flatter curve wins
+    table["bf16"]["costs_ms"] = {1: 20.9, 4: 30}  # within 5% at one token: the flatter curve wins
     assert choose(table) == "bf16"
+    table["bf16"]["costs_ms"] = {1: 21.2, 4: 30}  # more than 5% slower: the faster one-token pass wins
+    assert choose(table) == "int8"
     assert choose({"fp32": {"costs_ms": {"1": 9, "4": 9}, "dnll": 0.0}}) == "fp32"  # JSON keys are strings
 
 

@@ -180,7 +180,7 @@ def cpu_model() -> str:
 
 
 def pass_costs(model: PreTrainedModel, widths: range, *, context: int = 128, reps: int = 5) -> dict[int, float]:
-    """Median ms of a cached pass feeding each width of tokens after ``context`` tokens."""
+    """Ms of a cached pass feeding each width of tokens after ``context`` tokens (the fastest of ``reps``)."""
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     ids = torch.randint(vocab // 4, vocab // 2, (1, context + max(widths)), generator=gen)
@@ -196,7 +196,7 @@ def pass_costs(model: PreTrainedModel, widths: range, *, context: int = 128, rep
                 model(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=width)
                 times.append(time.perf_counter() - started)
                 cache.crop(-width)
-            costs[width] = round(sorted(times[2:])[reps // 2] * 1000, 2)
+            costs[width] = round(min(times[2:]) * 1000, 2)  # other load only ever adds time: the fastest rep
     return costs
 
 
@@ -226,7 +226,7 @@ def cap_from_costs(costs: dict[int, float], share: float = MAX_COST_SHARE) -> in
 
 
 def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT) -> str:
-    """The fastest path (one-token pass; within 3%, the cheaper widest pass) whose dnll <= ``limit``."""
+    """The fastest path (one-token pass; within 5%, the cheaper widest pass) whose dnll <= ``limit``."""
     passing = [p for p in PATHS if p in candidates and (p == "fp32" or candidates[p]["dnll"] <= limit)]
 
     def speed(p: str) -> tuple[float, float]:
@@ -234,7 +234,7 @@ def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT) -> str:
         return costs[1], costs[max(costs)]
 
     best = min(passing, key=lambda p: speed(p)[0])
-    close = [p for p in passing if speed(p)[0] <= speed(best)[0] * 1.03]
+    close = [p for p in passing if speed(p)[0] <= speed(best)[0] * 1.05]
     return min(close, key=lambda p: speed(p)[1])
 
 
