@@ -198,6 +198,7 @@ def decode_passes(
     drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
     compute = getattr(model, "mars_compute", None)  # kernels.ComputePath: the measured cost curve
     depths = exact.DraftDepth(window - 1, compute.costs_ms if compute else None)
+    history = [*prompt]  # every committed token: where exact mode looks up drafts
     produced = 0
     while True:
         tau_now = tau.get()
@@ -205,7 +206,7 @@ def decode_passes(
         if verifying:
             # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
             depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
-            drafts = drafts[:depth]
+            drafts = exact.pick_drafts(history, drafts, depth) if tau_now >= 1.0 else drafts[:depth]
             verdict = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback=fallback)
             depths.observe(len(drafts), verdict.cached)
             tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
@@ -224,6 +225,7 @@ def decode_passes(
             pending = tokens
         tokens, finish = commit_tokens(tokens, max_new_tokens - produced, stop_ids)
         produced += len(tokens)
+        history += tokens
         seconds = time.perf_counter() - started
         yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length())
         if finish:
