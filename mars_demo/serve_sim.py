@@ -1,14 +1,233 @@
-"""Serving simulation: replay seeded arrivals through the serving loop under several tau policies.
+"""Serving simulation: the same seeded arrivals replayed through the serving loop under each tau policy.
 
-(Work in progress: the pass-cost table first.)
+Arrivals are drawn once from the seed ("poisson": exponential gaps at ``rate`` per second;
+"burst": groups of BURST requests arriving together every BURST / rate seconds, the same
+mean rate), each with a prompt drawn from the pool. Every policy replays exactly these
+requests in the same process, one after another, after one warm-up.
+
+The clock is simulated: it advances by the *measured* seconds of every forward pass
+(prefills included) and jumps over idle time to the next arrival; arrivals join the queue
+when the clock reaches them. So the figures are what a server doing nothing but these
+passes would see, with no sleeps and no scheduler noise; host work between passes (a few
+ms of Python per pass) is not charged. A ``pass_cost`` model makes a replay fully
+deterministic (tests).
+
+Figures per policy (``summarise``):
+  tokens_per_second    tokens of finished requests / makespan (first arrival to last end)
+  requests_per_second  finished requests / makespan
+  latency_p50/p95/p99  arrival to last token, finished requests, seconds
+  ttft_p50/p95         arrival to first token
+  queue_max, queue_mean  requests waiting, per iteration (mean weighted by clock time)
+  tau_mean             mean tau over request passes (what requests were decoded at)
+  tokens_per_forward   tokens / request passes
+  delta_nll            pooled NLL per token under the base model (evaluation.Scorer,
+                       teacher-forced) of this policy's outputs minus that of fixed:1.0's
+  agreement            mean over requests of evaluation.prefix_agreement with the fixed:1.0
+                       output of the same request (1.0 = identical)
 """
 
 from __future__ import annotations
 
+import math
+import random
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
+
+from .decoding import eos_ids
+from .evaluation import Scorer, pooled_nll, prefix_agreement
+from .loading import LoadedModel
+from .serving import LoopEvent, Request, ServeConfig, ServingLoop, parse_policy
+
+ARRIVALS = ("poisson", "burst")
+BURST = 8
+REFERENCE = "fixed:1"  # the tau = 1.0 run every quality figure compares with
+# Bounds: a run is a few minutes on a CPU at most.
+LIMITS = {"rate": (0.0, 1000.0), "requests": (1, 2000), "max_batch": (1, 64), "max_new_tokens": (1, 1024), "policies": (1, 8)}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulation: the arrivals and the loop settings every policy shares."""
+
+    rate: float
+    requests: int
+    policies: tuple[str, ...] = ("fixed:1.0", "fixed:0.9", "adaptive")
+    arrivals: str = "poisson"
+    seed: int = 0
+    max_batch: int = 8
+    max_new_tokens: int = 64
+    mode: str = "mars"
+
+    def __post_init__(self) -> None:
+        low, high = LIMITS["rate"]
+        if not isinstance(self.rate, (int, float)) or not math.isfinite(self.rate) or not low < self.rate <= high:
+            raise ValueError(f"rate must be above {low:g} and at most {high:g} requests per second, got {self.rate}")
+        for name in ("requests", "max_batch", "max_new_tokens"):
+            low, high = LIMITS[name]
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"{name.replace('_', ' ')} must be an integer from {low} to {high}, got {value!r}")
+        if self.arrivals not in ARRIVALS:
+            raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
+        low, high = LIMITS["policies"]
+        if not low <= len(self.policies) <= high or len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"give {low} to {high} different policies, got {', '.join(self.policies) or 'none'}")
+        for spec in self.policies:
+            parse_policy(spec)
+        ServeConfig(mode=self.mode, max_batch=self.max_batch, max_new_tokens=self.max_new_tokens)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The policies' canonical names (fixed:1.0 -> fixed:1)."""
+        return tuple(parse_policy(p).name for p in self.policies)
+
+
+def arrival_times(kind: str, rate: float, n: int, seed: int) -> list[float]:
+    """``n`` arrival times (seconds) at a mean of ``rate`` per second, from ``seed``."""
+    if kind == "burst":
+        return [(i // BURST) * BURST / rate for i in range(n)]
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def make_requests(config: SimConfig, pool: Sequence[Sequence[int]]) -> list[Request]:
+    """The seeded requests: arrival times and a prompt from ``pool`` for each (its index is the request's prompt)."""
+    if not pool:
+        raise ValueError("no prompts to serve")
+    rng = random.Random(config.seed + 1)
+    times = arrival_times(config.arrivals, config.rate, config.requests, config.seed)
+    return [Request(i, tuple(pool[rng.randrange(len(pool))]), round(t, 6)) for i, t in enumerate(times)]
+
+
+@dataclass
+class PolicyRun:
+    """One policy's replay: its iterations and every request's record."""
+
+    policy: str
+    events: list[LoopEvent]
+    loop: ServingLoop
+    wall_seconds: float
+
+
+def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None) -> ServingLoop:
+    tok = lm.tokenizer
+    return ServingLoop(
+        lm.model, mask_id=lm.meta.mask_token_id, pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        stop_ids=eos_ids(lm.model, tok), policy=parse_policy(policy), pass_cost=pass_cost,
+        config=ServeConfig(mode=config.mode, max_batch=config.max_batch, max_new_tokens=config.max_new_tokens,
+                           block_size=lm.meta.block_size),
+    )
+
+
+def replay(
+    lm: LoadedModel, config: SimConfig, policy: str, requests: Sequence[Request], *,
+    pass_cost: Callable[[int, int], float] | None = None, deadline: float | None = None,
+    on_event: Callable[[LoopEvent], object] | None = None,
+) -> PolicyRun:
+    """Replay ``requests`` under ``policy``; ``deadline`` (wall seconds) stops what is left past it."""
+    loop = new_loop(lm, config, policy, pass_cost)
+    events, started = [], time.perf_counter()
+    for event in loop.run(requests, deadline=deadline):
+        events.append(event)
+        if on_event is not None:
+            on_event(event)
+    return PolicyRun(loop.policy.name, events, loop, time.perf_counter() - started)
+
+
+def warm_up(lm: LoadedModel, config: SimConfig, requests: Sequence[Request]) -> None:
+    """A short untimed replay (two requests, a few tokens, both widths) so no policy pays first-call costs."""
+    short = SimConfig(rate=config.rate, requests=2, max_batch=2, max_new_tokens=4, policies=("fixed:0.5",), mode=config.mode)
+    for policy in ("fixed:1.0", "fixed:0.5"):
+        replay(lm, short, policy, [Request(i, r.prompt, 0.0) for i, r in enumerate(requests[:2])])
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarise(run: PolicyRun) -> dict:
+    """Throughput, latency, queue and tau figures of one replay (module docstring)."""
+    served = list(run.loop.served.values())
+    done = [s for s in served if s.status == "done"]
+    start = min((s.request.arrival for s in served), default=0.0)
+    makespan = max((s.finished for s in served if s.finished is not None), default=start) - start
+    tokens = sum(len(s.token_ids) for s in done)
+    passes = [p for s in served for p in s.trace]
+    weights = [e.seconds for e in run.events]
+    latency, ttft = [s.latency for s in done], [s.ttft for s in done]
+    r = lambda x, n=4: None if x is None else round(x, n)
+    return {
+        "policy": run.policy,
+        "requests": len(served),
+        **{status: sum(s.status == status for s in served) for status in ("done", "stopped", "error")},
+        "tokens": tokens,
+        "makespan_s": r(makespan, 3),
+        "tokens_per_second": r(tokens / makespan if makespan > 0 else 0.0, 2),
+        "requests_per_second": r(len(done) / makespan if makespan > 0 else 0.0, 3),
+        **{f"latency_p{q}": r(percentile(latency, q), 3) for q in (50, 95, 99)},
+        **{f"ttft_p{q}": r(percentile(ttft, q), 3) for q in (50, 95)},
+        "queue_max": max((e.queue for e in run.events), default=0),
+        "queue_mean": r(sum(e.queue * w for e, w in zip(run.events, weights)) / sum(weights) if sum(weights) else 0.0, 2),
+        "tau_mean": r(sum(p.tau for p in passes) / len(passes) if passes else None),
+        "tokens_per_forward": r(sum(len(p.tokens) for p in passes) / len(passes) if passes else None),
+        "iterations": len(run.events),
+        "wall_seconds": r(run.wall_seconds, 2),
+    }
+
+
+def series(run: PolicyRun) -> dict:
+    """Time series for the charts: per iteration (clock, tau, queue, running, tokens) and per finished request."""
+    done = sorted((s for s in run.loop.served.values() if s.status == "done"), key=lambda s: s.finished)
+    return {
+        "clock": [round(e.clock, 4) for e in run.events],
+        "tau": [e.tau for e in run.events],
+        "queue": [e.queue for e in run.events],
+        "running": [e.running for e in run.events],
+        "tokens": [e.tokens for e in run.events],
+        "finished_at": [round(s.finished, 4) for s in done],
+        "latency": [round(s.latency, 4) for s in done],
+    }
+
+
+def request_records(run: PolicyRun) -> list[dict]:
+    """Every request: when it arrived, started, produced its first token and ended; its tokens and per-pass taus."""
+    return [
+        {
+            "id": s.request.id, "arrival": s.request.arrival, "status": s.status, "reason": s.reason,
+            "admitted": s.admitted, "first_token": s.first_token, "finished": s.finished,
+            "latency": s.latency, "ttft": s.ttft, "token_ids": s.token_ids,
+            "passes": [{"index": p.index, "kind": p.kind, "tau": p.tau, "tokens": len(p.tokens)} for p in s.trace],
+        }
+        for s in sorted(run.loop.served.values(), key=lambda s: s.request.id)
+    ]
+
+
+def add_quality(summaries: list[dict], runs: list[PolicyRun], base: PreTrainedModel, reference: PolicyRun) -> None:
+    """delta_nll under ``base`` and agreement, both against ``reference`` (fixed:1.0), over requests done in both."""
+    prompts = sorted({s.request.prompt for s in reference.loop.served.values()})
+    index = {p: i for i, p in enumerate(prompts)}
+    scorer = Scorer(base, [list(p) for p in prompts])
+    ref = {i: s for i, s in reference.loop.served.items() if s.status == "done"}
+    ref_nll = pooled_nll([scorer(index[s.request.prompt], s.token_ids) for s in ref.values()])
+    for summary, run in zip(summaries, runs):
+        both = [(s, ref[i]) for i, s in run.loop.served.items() if s.status == "done" and i in ref]
+        nll = pooled_nll([scorer(index[s.request.prompt], s.token_ids) for s, _ in both])
+        summary["quality_requests"] = len(both)
+        summary["delta_nll"] = round(nll - ref_nll, 5) if both else None
+        summary["agreement"] = round(sum(prefix_agreement(s.token_ids, r.token_ids) for s, r in both) / len(both), 4) if both else None
 
 
 @torch.inference_mode()
@@ -18,30 +237,55 @@ def batch_pass_costs(
 ) -> list[dict]:
     """Median ms of one cached pass feeding ``width`` tokens to each of ``rows`` rows after ``context`` tokens.
 
-    The attention mask is passed as the batch decoders pass it (2-D, all ones here), so the
+    The attention mask and position ids are passed as the batch decoder passes them, so the
     compute path's attention runs as in a real pass. One record per (rows, width).
     """
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
+    vocab, device = model.config.vocab_size, model.device
     out = []
     for r in rows:
-        ids = torch.randint(vocab // 4, vocab // 2, (r, context + max(widths)), generator=gen).to(model.device)
+        ids = torch.randint(vocab // 4, vocab // 2, (r, context + max(widths)), generator=gen).to(device)
         cache = DynamicCache(config=model.config)
-        attn = torch.ones(r, context, dtype=torch.long, device=model.device)
-        model(input_ids=ids[:, :context], attention_mask=attn, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, :context], attention_mask=torch.ones(r, context, dtype=torch.long, device=device),
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
         for w in widths:
-            fed = ids[:, context : context + w]
-            mask = torch.ones(r, context + w, dtype=torch.long, device=model.device)
-            positions = torch.arange(context, context + w, device=model.device)[None].expand(r, -1)
+            mask = torch.ones(r, context + w, dtype=torch.long, device=device)
+            positions = torch.arange(context, context + w, device=device)[None].expand(r, -1)
             times = []
             for _ in range(reps + 2):  # two warm-ups
                 started = time.perf_counter()
-                model(input_ids=fed, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                      use_cache=True, logits_to_keep=w)
+                model(input_ids=ids[:, context : context + w], attention_mask=mask, position_ids=positions,
+                      past_key_values=cache, use_cache=True, logits_to_keep=w)
                 times.append(time.perf_counter() - started)
                 cache.crop(-w)
-            ms = sorted(times[2:])[reps // 2] * 1000
-            out.append({"rows": r, "width": w, "tokens": r * w, "ms": round(ms, 2)})
+            out.append({"rows": r, "width": w, "tokens": r * w, "ms": round(sorted(times[2:])[reps // 2] * 1000, 2)})
     return out
+
+
+def simulate(
+    lm: LoadedModel, config: SimConfig, pool: Sequence[Sequence[int]], *, base: PreTrainedModel | None = None,
+    deadline: float | None = None, on_event: Callable[[str, LoopEvent], object] | None = None,
+) -> dict:
+    """Warm up, replay the seeded requests under every policy, summarise; quality under ``base`` if given.
+
+    ``deadline``: wall seconds per policy. Returns {"requests", "policies": [{summary, series, requests}]}.
+    """
+    requests = make_requests(config, pool)
+    warm_up(lm, config, requests)
+    runs = []
+    for spec in config.policies:
+        name = parse_policy(spec).name
+        hook = None if on_event is None else (lambda event, name=name: on_event(name, event))
+        runs.append(replay(lm, config, spec, requests, deadline=deadline, on_event=hook))
+    summaries = [summarise(run) for run in runs]
+    if base is not None:
+        reference = next((r for r in runs if r.policy == REFERENCE), None)
+        add_quality(summaries, runs, base, reference or replay(lm, config, "fixed:1.0", requests, deadline=deadline))
+    return {
+        "requests": [{"id": r.id, "arrival": r.arrival, "prompt_tokens": len(r.prompt)} for r in requests],
+        "policies": [
+            {"summary": s, "series": series(run), "requests": request_records(run)} for s, run in zip(summaries, runs)
+        ],
+    }

@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PROMPTS
 
 from mars_demo.data import prompt_ids
 from mars_demo.decoding import LiveTau, decode_passes, eos_ids
 from mars_demo.serving import (
-    DEFAULT_LADDER, ENDINGS, Fixed, Ladder, LatencyTarget, Load, Request, ServeConfig, ServingLoop, parse_policy,
+    DEFAULT_LADDER,
+    ENDINGS,
+    Fixed,
+    Ladder,
+    LatencyTarget,
+    Load,
+    Request,
+    ServeConfig,
+    ServingLoop,
+    parse_policy,
 )
-
-from conftest import PROMPTS
 
 LONG = " ".join(PROMPTS) * 2
 TEXTS = [PROMPTS[0], LONG, PROMPTS[2], PROMPTS[3][:5], PROMPTS[1], PROMPTS[3]]
@@ -80,7 +88,7 @@ def test_rows_that_join_a_running_batch_decode_as_alone(tiny_lm, policy):
 
 @pytest.mark.parametrize("mode", ["exact", "hybrid"])
 def test_verifying_modes_join_as_alone(tiny_qwen, mode):
-    events, served = replay(make_loop(tiny_qwen, "fixed:0.15", mode=mode), requests(tiny_qwen))
+    _, served = replay(make_loop(tiny_qwen, "fixed:0.15", mode=mode), requests(tiny_qwen))
     for s in served.values():
         assert s.token_ids == alone(tiny_qwen, s.request.prompt, [p.tau for p in s.trace], mode=mode)
         if mode == "exact":
