@@ -45,6 +45,7 @@ from mars_demo.ui.handlers import (
 )
 from mars_demo.ui.models import Loader, ModelPolicy
 from mars_demo.ui.race import Session
+from mars_demo.ui.serving import ServingHandlers, build_serving_tab
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
 from mars_demo.ui.traces import TraceStore, stem
 
@@ -249,11 +250,15 @@ def build_demo(
                 components |= _race_tab()
             with gr.Tab("Sweep", id="sweep"):
                 components |= _sweep_tab()
+            with gr.Tab("Serving", id="serving"):
+                serving = ServingHandlers(handlers)
+                build_serving_tab(serving, components["model"], concurrency)
         _wire(demo, handlers, components, session, concurrency)
         demo.unload(forget_tab)
 
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.handlers = handlers  # for tests and notebooks: the model cache and the handlers behind the UI
+    demo.serving = serving  # the Serving tab's handlers
     demo.components = components  # every component by name
     return demo
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,19 +126,34 @@ def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None) ->
     )
 
 
+def live_replay(
+    lm: LoadedModel, config: SimConfig, policy: str, requests: Sequence[Request], *,
+    pass_cost: Callable[[int, int], float] | None = None, deadline: float | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> Iterator[PolicyRun]:
+    """Replay ``requests`` under ``policy``, yielding the run so far after every iteration.
+
+    ``deadline`` (wall seconds) or ``stop()``: what is left is stopped (ServingLoop.run).
+    """
+    loop = new_loop(lm, config, policy, pass_cost)
+    run, started = PolicyRun(loop.policy.name, [], loop, 0.0), time.perf_counter()
+    for event in loop.run(requests, deadline=deadline, stop=stop):
+        run.events.append(event)
+        run.wall_seconds = time.perf_counter() - started
+        yield run
+
+
 def replay(
     lm: LoadedModel, config: SimConfig, policy: str, requests: Sequence[Request], *,
     pass_cost: Callable[[int, int], float] | None = None, deadline: float | None = None,
     on_event: Callable[[LoopEvent], object] | None = None,
 ) -> PolicyRun:
-    """Replay ``requests`` under ``policy``; ``deadline`` (wall seconds) stops what is left past it."""
-    loop = new_loop(lm, config, policy, pass_cost)
-    events, started = [], time.perf_counter()
-    for event in loop.run(requests, deadline=deadline):
-        events.append(event)
+    """The whole replay of ``requests`` under ``policy`` (live_replay to the end)."""
+    run = None
+    for run in live_replay(lm, config, policy, requests, pass_cost=pass_cost, deadline=deadline):
         if on_event is not None:
-            on_event(event)
-    return PolicyRun(loop.policy.name, events, loop, time.perf_counter() - started)
+            on_event(run.events[-1])
+    return run or PolicyRun(parse_policy(policy).name, [], new_loop(lm, config, policy, pass_cost), 0.0)
 
 
 def warm_up(lm: LoadedModel, config: SimConfig, requests: Sequence[Request]) -> None:
@@ -215,19 +230,20 @@ def request_records(run: PolicyRun) -> list[dict]:
     ]
 
 
-def add_quality(summaries: list[dict], runs: list[PolicyRun], base: PreTrainedModel, reference: PolicyRun) -> None:
-    """delta_nll under ``base`` and agreement, both against ``reference`` (fixed:1.0), over requests done in both."""
-    prompts = sorted({s.request.prompt for s in reference.loop.served.values()})
-    index = {p: i for i, p in enumerate(prompts)}
-    scorer = Scorer(base, [list(p) for p in prompts])
+def add_quality(summaries: list[dict], runs: list[PolicyRun], reference: PolicyRun, base: PreTrainedModel | None) -> None:
+    """agreement, and delta_nll under ``base`` (if given), against ``reference`` (fixed:1.0), over requests done in both."""
     ref = {i: s for i, s in reference.loop.served.items() if s.status == "done"}
-    ref_nll = pooled_nll([scorer(index[s.request.prompt], s.token_ids) for s in ref.values()])
+    prompts = sorted({s.request.prompt for s in ref.values()})
+    index = {p: i for i, p in enumerate(prompts)}
+    scorer = Scorer(base, [list(p) for p in prompts]) if base is not None else None
+    ref_nll = pooled_nll([scorer(index[s.request.prompt], s.token_ids) for s in ref.values()]) if scorer else 0.0
     for summary, run in zip(summaries, runs):
         both = [(s, ref[i]) for i, s in run.loop.served.items() if s.status == "done" and i in ref]
-        nll = pooled_nll([scorer(index[s.request.prompt], s.token_ids) for s, _ in both])
         summary["quality_requests"] = len(both)
-        summary["delta_nll"] = round(nll - ref_nll, 5) if both else None
         summary["agreement"] = round(sum(prefix_agreement(s.token_ids, r.token_ids) for s, r in both) / len(both), 4) if both else None
+        if scorer is not None:
+            nll = pooled_nll([scorer(index[s.request.prompt], s.token_ids) for s, _ in both])
+            summary["delta_nll"] = round(nll - ref_nll, 5) if both else None
 
 
 @torch.inference_mode()
@@ -282,7 +298,7 @@ def simulate(
     summaries = [summarise(run) for run in runs]
     if base is not None:
         reference = next((r for r in runs if r.policy == REFERENCE), None)
-        add_quality(summaries, runs, base, reference or replay(lm, config, "fixed:1.0", requests, deadline=deadline))
+        add_quality(summaries, runs, reference or replay(lm, config, "fixed:1.0", requests, deadline=deadline), base)
     return {
         "requests": [{"id": r.id, "arrival": r.arrival, "prompt_tokens": len(r.prompt)} for r in requests],
         "policies": [

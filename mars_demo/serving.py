@@ -30,6 +30,7 @@ simulated replay needs no sleeps.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -104,6 +105,17 @@ class LatencyTarget:
 
 Policy = Callable[[Load], float]
 POLICY_HELP = "fixed:T (0 <= T <= 1), ladder[:Q=T,...], latency:SECONDS, adaptive (= the default ladder)"
+
+
+def split_policies(text: str) -> list[str]:
+    """Comma-separated policy specs; a ladder's own "Q=T" steps stay with it ("fixed:1,ladder:0=1,4=0.9")."""
+    specs: list[str] = []
+    for part in (p.strip() for p in (text or "").split(",")):
+        if specs and specs[-1].startswith("ladder:") and re.fullmatch(r"\d+\s*=.*", part):
+            specs[-1] += "," + part
+        elif part:
+            specs.append(part)
+    return specs
 
 
 def parse_policy(text: str) -> Policy:
@@ -360,16 +372,19 @@ class ServingLoop:
 
     # -- a whole replay ------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, requests: Sequence[Request], *, deadline: float | None = None) -> Iterator[LoopEvent]:
+    def run(
+        self, requests: Sequence[Request], *, deadline: float | None = None, stop: Callable[[], bool] | None = None,
+    ) -> Iterator[LoopEvent]:
         """Submit ``requests`` as the clock reaches their arrivals and step until every one has ended.
 
-        ``deadline`` (wall-clock seconds from now): past it, every request not yet ended is
-        stopped. Idle time (nothing running, nothing waiting) jumps to the next arrival.
+        ``deadline`` (wall-clock seconds from now) or ``stop()`` returning True: every request
+        not yet ended is stopped, between two iterations. Idle time (nothing running, nothing
+        waiting) jumps to the next arrival.
         """
         due = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
         stop_at = None if deadline is None else time.monotonic() + deadline
         while due or self.queue or self.rows:
-            if stop_at is not None and time.monotonic() > stop_at:
+            if (stop_at is not None and time.monotonic() > stop_at) or (stop is not None and stop()):
                 for request in due:
                     self.submit(request)
                 due.clear()

@@ -20,6 +20,7 @@ from mars_demo.serving import (
     ServeConfig,
     ServingLoop,
     parse_policy,
+    split_policies,
 )
 
 LONG = " ".join(PROMPTS) * 2
@@ -189,6 +190,11 @@ def test_bad_policies_are_refused_in_one_line(spec):
     with pytest.raises(ValueError) as err:
         parse_policy(spec)
     assert "\n" not in str(err.value) and ("policy" in str(err.value) or "tau" in str(err.value))
+
+
+def test_policy_lists_keep_ladder_steps_together():
+    assert split_policies("fixed:1.0, ladder:0=1,4=0.9 ,adaptive,") == ["fixed:1.0", "ladder:0=1,4=0.9", "adaptive"]
+    assert split_policies("") == []
 
 
 def test_bad_serve_config_is_refused():

@@ -20,7 +20,7 @@ from ..config import VERIFYING_MODES
 from ..data import prompt_ids, read_prompts
 from ..loading import BUNDLED_BASE, default_precision, load_model
 from ..serve_sim import ARRIVALS, LIMITS, SimConfig, batch_pass_costs, simulate
-from ..serving import DEFAULT_LADDER, POLICY_HELP
+from ..serving import DEFAULT_LADDER, POLICY_HELP, split_policies
 
 HELP = "simulate serving: seeded arrivals, continuous batching, tau policies compared (latency, throughput, quality)"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_varied32.json"
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_config(args: argparse.Namespace) -> SimConfig:
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    policies = tuple(split_policies(args.policies))
     if not 0 < args.time_limit <= MAX_TIME_LIMIT:
         raise UserError(f"--time-limit must be above 0 and at most {MAX_TIME_LIMIT} seconds, got {args.time_limit:g}")
     try:
