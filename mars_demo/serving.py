@@ -22,8 +22,9 @@ consulted). Every request ends exactly once, "done" (eos or length),
 the tokens accepted and the clock.
 
 The loop keeps its own clock. By default it advances by the measured seconds of each
-pass; ``pass_cost(rows, width)`` replaces them with a cost model (seconds), which makes a
-replay deterministic (tests, what-if tables). Arrivals are read off that clock, so a
+pass; ``pass_cost(rows, width, kind, measured)`` replaces them with a cost model (seconds;
+kind is "prefill" or "decode"), which makes a replay deterministic (tests) or projects it
+onto other hardware (serve_sim.width_free_cost). Arrivals are read off that clock, so a
 simulated replay needs no sleeps.
 """
 
@@ -104,6 +105,7 @@ class LatencyTarget:
 
 
 Policy = Callable[[Load], float]
+PassCost = Callable[[int, int, str, float], float]  # (rows, columns per row, "prefill" | "decode", measured s) -> s
 POLICY_HELP = "fixed:T (0 <= T <= 1), ladder[:Q=T,...], latency:SECONDS, adaptive (= the default ladder)"
 
 
@@ -222,7 +224,7 @@ class ServingLoop:
 
     def __init__(
         self, model: PreTrainedModel, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
-        policy: Policy, pass_cost: Callable[[int, int], float] | None = None,
+        policy: Policy, pass_cost: PassCost | None = None,
     ) -> None:
         self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
         self.config, self.policy, self.pass_cost = config, policy, pass_cost
@@ -297,8 +299,8 @@ class ServingLoop:
         return LoopEvent(index, self.clock, tau, load.queue, running, width, self.clock - started_clock,
                          tokens, tuple(admitted), tuple(ended))
 
-    def _charge(self, measured: float, rows: int, width: int) -> float:
-        seconds = self.pass_cost(rows, width) if self.pass_cost is not None else measured
+    def _charge(self, measured: float, rows: int, width: int, kind: str) -> float:
+        seconds = self.pass_cost(rows, width, kind, measured) if self.pass_cost is not None else measured
         self.clock += seconds
         return seconds
 
@@ -307,7 +309,7 @@ class ServingLoop:
         for i in ids:
             self.served[i].status, self.served[i].admitted = "running", self.clock
         newcomers = self._new_batch([self.served[i].request.prompt for i in ids])
-        steps, _ = self._guarded(lambda: newcomers.step(tau), ids, len(ids))
+        steps, _ = self._guarded(lambda: newcomers.step(tau), ids, len(ids), "prefill")
         if steps is None:
             return
         rows = dict(enumerate(ids))  # newcomers' book row -> request id
@@ -321,27 +323,27 @@ class ServingLoop:
     def _decode(self, tau: float) -> tuple[int, int, list[int]]:
         """One pass over the running rows: (columns fed per row, tokens accepted, requests that ended)."""
         rows = dict(self.rows)
-        steps, width = self._guarded(lambda: self.batch.step(tau), list(rows.values()), len(rows))
+        steps, width = self._guarded(lambda: self.batch.step(tau), list(rows.values()), len(rows), "decode")
         if steps is None:
             return 0, 0, list(rows.values())
         ended = self._record(rows, steps, "decode", tau, self.batch)
         self.batch.kv.trim()
         return width, sum(len(steps[r].token_ids) for r in rows), ended
 
-    def _guarded(self, run_pass: Callable, ids: list[int], rows: int):
+    def _guarded(self, run_pass: Callable, ids: list[int], rows: int, kind: str):
         """Run one pass and charge it; if it raises, its requests end with the error and their rows go."""
         started = time.perf_counter()
         try:
             steps, width = run_pass()
         except Exception as err:  # noqa: BLE001 - a failed pass must still end every request in it exactly once
-            self._charge(time.perf_counter() - started, rows, 1)
+            self._charge(time.perf_counter() - started, rows, 1, kind)
             for i in ids:
                 self._end(self.served[i], "error", f"{type(err).__name__}: {err}")
             self.rows = {r: i for r, i in self.rows.items() if i not in ids}
             if not self.rows:
                 self.batch = None
             return None, 0
-        self._charge(time.perf_counter() - started, rows, width)
+        self._charge(time.perf_counter() - started, rows, width, kind)
         return steps, width
 
     def _record(self, rows: dict[int, int], steps, kind: str, tau: float, batch: TokenBatch) -> list[int]:

@@ -80,6 +80,18 @@ def test_cli_writes_json_and_self_contained_html(model_dir, tmp_path, capsys):
     assert "fixed:1" in capsys.readouterr().out
 
 
+def test_cli_width_free_clock_charges_the_one_token_cost(model_dir, tmp_path):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp_path / "sim"
+    assert main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "5", "--policies", "fixed:1.0,fixed:0.2",
+                 "--prompts", str(prompts), "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
+                 "--precision", "fp32", "--no-quality", "--clock", "width-free"]) == 0
+    report = json.loads((out / "serve-sim.json").read_text())
+    assert report["clock"].startswith("projection") and set(report["width_cost"]) == {"1", "2"}
+    assert report["settings"]["clock"] == "width-free" and "delta_nll" not in report["policies"][0]["summary"]
+
+
 def test_html_escapes_what_it_shows():
     report = {"model": "<b>m</b>", "command": "<script>x</script>", "policies": [], "settings": {}}
     page = to_html(report)

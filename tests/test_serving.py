@@ -41,7 +41,7 @@ class Schedule(LiveTau):
         return tau
 
 
-def unit_cost(rows: int, width: int) -> float:
+def unit_cost(rows: int, width: int, kind: str, measured: float) -> float:
     """A deterministic clock: 10 ms per pass plus 1 ms per token fed."""
     return 0.010 + 0.001 * rows * width
 

@@ -19,7 +19,7 @@ from ..cli import UserError, add_model_argument, add_precision_argument
 from ..config import VERIFYING_MODES
 from ..data import prompt_ids, read_prompts
 from ..loading import BUNDLED_BASE, default_precision, load_model
-from ..serve_sim import ARRIVALS, LIMITS, SimConfig, batch_pass_costs, simulate
+from ..serve_sim import ARRIVALS, CLOCKS, LIMITS, SimConfig, batch_pass_costs, simulate, width_free_cost
 from ..serving import DEFAULT_LADDER, POLICY_HELP, split_policies
 
 HELP = "simulate serving: seeded arrivals, continuous batching, tau policies compared (latency, throughput, quality)"
@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", default=BUNDLED_BASE, help="model whose NLL scores the outputs (dNLL)")
     parser.add_argument("--no-quality", action="store_true", help="skip dNLL and agreement (no base model load)")
     parser.add_argument("--time-limit", type=float, default=600, help=f"wall seconds per policy (at most {MAX_TIME_LIMIT})")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="measured",
+                        help="measured: the clock advances by measured pass times; width-free: a projection where a "
+                        "pass of R rows costs what R rows x 1 token costs, whatever its width (a GPU's cost shape)")
     parser.add_argument("--pass-costs", action="store_true", help="also measure ms per pass at rows 1,2,4,8 x width 1-5")
     parser.add_argument("--out", type=Path, default=Path("runs/serve-sim"), help="folder for serve-sim.json and .html")
     add_precision_argument(parser)
@@ -64,7 +67,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["python", "-m", "mars_demo", "serve-sim", "--model", args.model, "--rate", f"{args.rate:g}",
              "--requests", str(args.requests), "--policies", args.policies, "--arrivals", args.arrivals,
              "--seed", str(args.seed), "--max-batch", str(args.max_batch), "--max-new-tokens", str(args.max_new_tokens),
-             "--mode", args.mode, "--out", str(args.out)]
+             "--mode", args.mode, "--clock", args.clock, "--out", str(args.out)]
     if args.precision:
         parts += ["--precision", args.precision]
     return shlex.join(parts + (["--pass-costs"] if args.pass_costs else []) + (["--no-quality"] if args.no_quality else []))
@@ -82,19 +85,20 @@ def run(args: argparse.Namespace) -> int:
     if not pool:
         raise UserError(f"no prompts in {args.prompts}")
     base = None if args.no_quality else (lm.model if args.base == args.model else load_model(args.base).model)
+    pass_cost, width_cost = width_free_cost(lm.model, config.max_batch) if args.clock == "width-free" else (None, None)
     bar = tqdm(total=config.requests * len(config.policies), desc="serve-sim", unit="request")
-    result = simulate(lm, config, pool, base=base, deadline=args.time_limit,
+    result = simulate(lm, config, pool, base=base, deadline=args.time_limit, pass_cost=pass_cost,
                       on_event=lambda name, event: bar.update(len(event.ended)))
     bar.close()
     verifying = config.mode in VERIFYING_MODES
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(args), "argv": sys.argv, "model": lm.name, "machine": machine(lm.model),
-        "clock": "simulated clock: advances by the measured seconds of every forward pass (prefills included), "
-        "jumps idle time to the next arrival; host work between passes is not charged",
+        "clock": CLOCKS[args.clock], "width_cost": width_cost,
         "settings": {**vars(config), "policies": list(config.policies), "block_size": lm.meta.block_size,
                      "prompts": str(args.prompts), "pool": len(pool), "base": None if base is None else args.base,
-                     "adaptive": DEFAULT_LADDER, "time_limit_s": args.time_limit, "verifying": verifying},
+                     "adaptive": DEFAULT_LADDER, "time_limit_s": args.time_limit, "verifying": verifying,
+                     "clock": args.clock},
         **result,
     }
     if args.pass_costs:
