@@ -268,7 +268,8 @@ class ServingLoop:
             self.stop(request_id)
 
     def _end(self, served: Served, status: str, reason: str | None) -> None:
-        assert not served.ended, f"request {served.request.id} ended twice"
+        if served.ended:  # the accounting invariant: never reached, and loud if it ever is
+            raise RuntimeError(f"request {served.request.id} ended twice")
         served.status, served.reason, served.finished = status, reason, self.clock
         if status == "done":
             self.finished.append(served.latency)

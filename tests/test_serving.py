@@ -141,7 +141,7 @@ def test_every_request_ends_exactly_once_with_output_and_trace(tiny_llama):
         assert [t for p in s.trace for t in p.tokens] == s.token_ids
         if s.status == "done":
             assert s.token_ids and s.trace[0].kind == "prefill" and s.ttft <= s.latency
-    with pytest.raises(AssertionError, match="ended twice"):
+    with pytest.raises(RuntimeError, match="ended twice"):
         loop._end(served[0], "done", "eos")
 
 
