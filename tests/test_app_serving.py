@@ -7,7 +7,7 @@ from html import unescape
 import gradio as gr
 import pytest
 
-from mars_demo.loading import BUNDLED, ModelLoadError
+from mars_demo.engine.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelPolicy, model_choices
 from mars_demo.ui.serving import BOUNDS, ServingHandlers, ServingState, parse_settings
@@ -39,8 +39,8 @@ def test_run_draws_live_charts_and_ends_with_totals(serving):
     status, tau, queue, throughput, latency, totals = outputs[-1]
     assert "Finished: 3 of 3 policies" in status
     assert [row[0] for row in totals] == ["fixed:1", "fixed:0.9", "adaptive"]
-    assert all(row[1] == "6" for row in totals)  # every request done under every policy
-    assert totals[0][-1] == "1.000"  # fixed:1.0 agrees with itself
+    assert all(row[1] == 6 for row in totals)  # every request done under every policy
+    assert totals[0][-1] == 1.0  # fixed:1.0 agrees with itself
     for fig in (tau, queue, throughput, latency):
         assert [trace.name for trace in fig.data] == ["fixed:1", "fixed:0.9", "adaptive"]
     live = [o for o in outputs[1:-1] if o[5]]
@@ -63,7 +63,7 @@ def test_the_time_limit_bounds_the_run(serving, monkeypatch):
 
     clock = iter(range(0, 10_000, 3))  # every monotonic() call: 3 s later
     monkeypatch.setattr(tab.time, "monotonic", lambda: next(clock))
-    monkeypatch.setattr("mars_demo.serving.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("mars_demo.engine.serving.time.monotonic", lambda: next(clock))
     outputs = list(start(serving, ServingState(), time_limit=5, requests=30, rate=1.0))
     assert "Time limit reached" in outputs[-1][0]
 

@@ -5,19 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import PROMPTS
 
 from mars_demo.cli import main
-from mars_demo.data import prompt_ids
-from mars_demo.serve_report import figures, format_totals, rolling_throughput, to_html
-from mars_demo.serve_sim import (
-    BURST,
-    SimConfig,
-    arrival_times,
-    make_requests,
-    percentile,
-    simulate,
-)
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.replay import BURST, SimConfig, arrival_times, make_requests, percentile
+from mars_demo.research.serve_report import format_totals, to_html
+from mars_demo.research.serve_sim import simulate
+from mars_demo.ui.charts import rolling_throughput, serving_figures
+
+from conftest import PROMPTS
 
 
 def test_arrivals_are_seeded_and_keep_the_mean_rate():
@@ -52,10 +48,10 @@ def test_simulation_on_a_tiny_model(tiny_qwen):
         assert len(policy["requests"]) == 8 and all(r["passes"] for r in policy["requests"])
         assert len(policy["series"]["clock"]) == s["iterations"]
     ref = result["policies"][0]["summary"]
-    assert ref["delta_nll"] == 0.0 and ref["agreement"] == 1.0 and ref["tau_mean"] == 1.0
+    assert ref["delta_nll_base"] == 0.0 and ref["agreement"] == 1.0 and ref["tau_mean"] == 1.0
     assert result["policies"][1]["summary"]["tokens_per_forward"] > 1.0
     all_series = {p["summary"]["policy"]: p["series"] for p in result["policies"]}
-    assert all(len(fig.data) == 3 for fig in figures(all_series))  # one curve per policy
+    assert all(len(fig.data) == 3 for fig in serving_figures(all_series))  # one curve per policy
     assert "fixed:0.15" in format_totals([p["summary"] for p in result["policies"]])
 
 
@@ -89,12 +85,12 @@ def test_cli_width_free_clock_charges_the_one_token_cost(model_dir, tmp_path):
                  "--precision", "fp32", "--no-quality", "--clock", "width-free"]) == 0
     report = json.loads((out / "serve-sim.json").read_text())
     assert report["clock"].startswith("projection") and set(report["width_cost"]) == {"1", "2"}
-    assert report["settings"]["clock"] == "width-free" and "delta_nll" not in report["policies"][0]["summary"]
+    assert report["settings"]["clock"] == "width-free" and "delta_nll_base" not in report["policies"][0]["summary"]
 
 
 def test_html_escapes_what_it_shows():
     report = {"model": "<b>m</b>", "command": "<script>x</script>", "policies": [], "settings": {}}
-    page = to_html(report)
+    page = to_html(report, [])
     assert "<b>m</b>" not in page and "&lt;script&gt;x" in page
 
 

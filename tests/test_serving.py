@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPTS
 
-from mars_demo.data import prompt_ids
-from mars_demo.decoding import LiveTau, decode_passes, eos_ids
-from mars_demo.serving import (
+from mars_demo.engine.decoding import LiveTau, decode_passes, eos_ids
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.serving import (
     DEFAULT_LADDER,
     ENDINGS,
     Fixed,
@@ -22,6 +21,8 @@ from mars_demo.serving import (
     parse_policy,
     split_policies,
 )
+
+from conftest import PROMPTS
 
 LONG = " ".join(PROMPTS) * 2
 TEXTS = [PROMPTS[0], LONG, PROMPTS[2], PROMPTS[3][:5], PROMPTS[1], PROMPTS[3]]

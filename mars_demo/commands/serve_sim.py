@@ -1,7 +1,7 @@
 """``serve-sim``: replay seeded arrivals through the serving loop under several tau policies.
 
 Every policy serves the same requests in this process, on a simulated clock driven by
-the measured pass times (mars_demo/serve_sim.py says exactly how). Prints the totals
+the measured pass times (mars_demo/research/serve_sim.py says exactly how). Prints the totals
 and writes serve-sim.json and a self-contained serve-sim.html (one curve per policy).
 """
 
@@ -16,11 +16,13 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..cli import UserError, add_model_argument, add_precision_argument
-from ..config import VERIFYING_MODES
-from ..data import prompt_ids, read_prompts
-from ..loading import BUNDLED_BASE, default_precision, load_model
-from ..serve_sim import ARRIVALS, CLOCKS, LIMITS, SimConfig, batch_pass_costs, simulate, width_free_cost
-from ..serving import DEFAULT_LADDER, POLICY_HELP, split_policies
+from ..engine.config import VERIFYING_MODES
+from ..engine.loading import BUNDLED_BASE, default_precision, load_model
+from ..engine.prompts import prompt_ids
+from ..engine.replay import ARRIVALS, LIMITS, SimConfig
+from ..engine.serving import DEFAULT_LADDER, POLICY_HELP, split_policies
+from ..research.data import read_prompts
+from ..research.serve_sim import CLOCKS, batch_pass_costs, simulate, width_free_cost
 
 HELP = "simulate serving: seeded arrivals, continuous batching, tau policies compared (latency, throughput, quality)"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_varied32.json"
@@ -74,8 +76,9 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import machine
-    from ..serve_report import format_totals, write_report  # plotly: only this command needs it
+    from ..research.bench import machine
+    from ..research.serve_report import format_totals, write_report  # plotly: only this command needs it
+    from ..ui.charts import serving_figures
 
     config = parse_config(args)  # every value checked before the model loads
     if not args.prompts.is_file():
@@ -103,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.pass_costs:
         report["pass_costs"] = batch_pass_costs(lm.model, (1, 2, 4, 8), (1, 2, 3, 4, 5))
-    json_path, html_path = write_report(report, args.out)
+    figures = serving_figures({p["summary"]["policy"]: p["series"] for p in report["policies"]})
+    json_path, html_path = write_report(report, args.out, figures)
     print(format_totals([p["summary"] for p in report["policies"]]))
     print(f"\nwrote {json_path} and {html_path}")
     return 0

@@ -10,6 +10,7 @@ time limit covers the whole run (warm-up included), so a run holds the shared de
 slot, and so the Race tab, for at most that long. Stop takes effect between two passes
 and still shows the totals of what was served. Quality here is agreement with the
 fixed:1.0 output only (dNLL needs the base model: the serve-sim command has it).
+app.py builds the tab's components (``SERVING_*`` below give their bounds and choices).
 """
 
 from __future__ import annotations
@@ -23,20 +24,20 @@ from html import escape
 
 import gradio as gr
 
-from .. import serve_report
-from ..data import prompt_ids
-from ..serve_sim import (
+from ..engine.prompts import prompt_ids
+from ..engine.replay import (
     ARRIVALS,
     REFERENCE,
     SimConfig,
-    add_quality,
+    add_agreement,
     live_replay,
     make_requests,
     series,
     summarise,
     warm_up,
 )
-from ..serving import parse_policy, split_policies
+from ..engine.serving import parse_policy, split_policies
+from .charts import serving_figures
 from .examples import EXAMPLE_PROMPTS
 from .messages import error, sentence
 
@@ -50,9 +51,16 @@ BOUNDS = {
 }
 POLICY_CHOICES = ("fixed:1.0", "fixed:0.95", "fixed:0.9", "fixed:0.8", "adaptive", "latency:10")
 DEFAULT_POLICIES = ["fixed:1.0", "fixed:0.9", "adaptive"]
-TOTAL_HEADERS = [header for _, header, _ in serve_report.TOTALS]
+TOTALS = (  # (key, header, digits): the tab's totals table
+    ("policy", "policy", None), ("done", "done", None), ("tokens_per_second", "tokens / s", 1),
+    ("requests_per_second", "requests / s", 3), ("latency_p50", "latency p50 (s)", 2),
+    ("latency_p95", "latency p95 (s)", 2), ("latency_p99", "latency p99 (s)", 2), ("ttft_p50", "TTFT p50 (s)", 2),
+    ("queue_max", "queue max", None), ("tau_mean", "mean tau", 3), ("tokens_per_forward", "tokens / forward", 2),
+    ("agreement", "agreement with fixed:1", 3),
+)
+TOTAL_HEADERS = [header for _, header, _ in TOTALS]
 
-INTRO = """Requests arrive at the chosen **rate** (Poisson, or bursts of 8) and share one batch: a new request
+SERVING_INTRO = """Requests arrive at the chosen **rate** (Poisson, or bursts of 8) and share one batch: a new request
 is prefilled and joins the running batch between two passes, a finished one leaves at once. Each **policy**
 sets tau before every pass from the load; **adaptive** lowers tau as requests wait (1.0 while nobody waits,
 0.95 from 1 waiting, 0.9 from 4, 0.8 from 8, 0.7 from 16). Every policy serves the same seeded requests
@@ -149,7 +157,7 @@ class ServingHandlers:
             summaries.append(summarise(run))
         reference = next((r for r in runs if r.policy == REFERENCE), None)
         if reference is not None:
-            add_quality(summaries, runs, reference, None)
+            add_agreement(summaries, runs, reference)
         stopped = state.stop.is_set() or time.monotonic() > stop_at
         note = "Stopped" if state.stop.is_set() else "Time limit reached" if stopped else "Finished"
         yield self._view(f"{note}: {len(runs)} of {len(config.policies)} policies served.", _all_series(runs), summaries)
@@ -161,50 +169,16 @@ class ServingHandlers:
         return self._view(text, _all_series([*runs, run]), [*summaries, summarise(run)])
 
     def _view(self, text: str, all_series: dict[str, dict], summaries: list[dict]) -> tuple:
-        figures = serve_report.figures(all_series) if all_series else [gr.skip()] * 4
+        figures = serving_figures(all_series) if all_series else [gr.skip()] * 4
         status = f'<div class="serving-status">{escape(text)}</div>'
-        return (status, *figures, serve_report.totals_rows(summaries))
+        return (status, *figures, totals_rows(summaries))
+
+
+def totals_rows(summaries: list[dict]) -> list[list]:
+    """One row per policy for the totals table (None where a figure does not apply)."""
+    return [[s.get(key) if digits is None or s.get(key) is None else round(s[key], digits) for key, _, digits in TOTALS]
+            for s in summaries]
 
 
 def _all_series(runs: list) -> dict[str, dict]:
     return {run.policy: series(run) for run in runs if run.events}
-
-
-def build_serving_tab(handlers: ServingHandlers, model: gr.Dropdown, concurrency: int) -> None:
-    """The tab's components and events (call inside gr.Tabs); runs share the race's decoding slot."""
-    state = gr.State(lambda: ServingState())
-    gr.Markdown(INTRO)
-    with gr.Row():
-        arrivals = gr.Radio(list(ARRIVALS), value="poisson", label="Arrivals", elem_id="serve-arrivals")
-        rate = _slider("rate", "Rate (requests / s)", 0.05, "serve-rate")
-        requests = _slider("requests", "Requests per policy", 1, "serve-requests")
-        time_limit = _slider("time_limit", "Time limit (s, whole run)", 5, "serve-time-limit")
-    with gr.Row():
-        policies = gr.CheckboxGroup(list(POLICY_CHOICES), value=DEFAULT_POLICIES, label="Policies", scale=3,
-                                    elem_id="serve-policies")
-        extra = gr.Textbox(label="More policies", placeholder="e.g. fixed:0.7, ladder:0=1,2=0.9,6=0.7, latency:5",
-                           scale=2, elem_id="serve-extra")
-        max_batch = _slider("max_batch", "Max batch", 1, "serve-max-batch")
-        max_new = _slider("max_new_tokens", "Max new tokens", 8, "serve-max-new")
-    with gr.Row():
-        run_btn = gr.Button("Run", variant="primary", elem_id="serve-run")
-        stop_btn = gr.Button("Stop", variant="stop", elem_id="serve-stop")
-    status = gr.HTML("", min_height=40, js_on_load=None, elem_id="serve-status")
-    with gr.Row():
-        tau_plot = gr.Plot(show_label=False, elem_id="serve-tau")
-        queue_plot = gr.Plot(show_label=False, elem_id="serve-queue")
-    with gr.Row():
-        throughput_plot = gr.Plot(show_label=False, elem_id="serve-throughput")
-        latency_plot = gr.Plot(show_label=False, elem_id="serve-latency")
-    totals = gr.Dataframe(headers=TOTAL_HEADERS, label="Totals", interactive=False, elem_id="serve-totals")
-    run_btn.click(
-        handlers.run, [arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new, model, state],
-        [status, tau_plot, queue_plot, throughput_plot, latency_plot, totals],
-        concurrency_limit=concurrency, concurrency_id="decode", show_progress_on=[status],
-    )
-    stop_btn.click(handlers.stop, [state], None, concurrency_limit=None, show_progress="hidden")
-
-
-def _slider(name: str, label: str, step: float, elem_id: str) -> gr.Slider:
-    low, high, value = BOUNDS[name]
-    return gr.Slider(minimum=low, maximum=high, step=step, value=value, label=label, elem_id=elem_id)

@@ -1,31 +1,28 @@
-"""Serving simulation: the same seeded arrivals replayed through the serving loop under each tau policy.
+"""Replaying arrivals through the serving loop: seeded requests, the replay, and what it measured.
 
 Arrivals are drawn once from the seed ("poisson": exponential gaps at ``rate`` per second;
 "burst": groups of BURST requests arriving together every BURST / rate seconds, the same
 mean rate), each with a prompt drawn from the pool. Every policy replays exactly these
-requests in the same process, one after another, after one warm-up.
+requests, one after another, after one warm-up (research/serve_sim.py for the command,
+ui/serving.py for the app's Serving tab).
 
-The clock is simulated: it advances by the *measured* seconds of every forward pass
-(prefills included) and jumps over idle time to the next arrival; arrivals join the queue
-when the clock reaches them. So the figures are what a server doing nothing but these
-passes would see, with no sleeps and no scheduler noise; host work between passes (a few
-ms of Python per pass) is not charged. A ``pass_cost`` model makes a replay fully
-deterministic (tests); the "width-free" clock (CLOCKS) projects the same replay onto hardware
-where a wider pass costs no more than a one-token pass of the same rows (a GPU, for a
-model this small), from costs measured here.
+The clock is the loop's (serving.py): by default it advances by the *measured* seconds of
+every forward pass (prefills included) and jumps over idle time to the next arrival, so
+the figures are what a server doing nothing but these passes would see, with no sleeps
+and no scheduler noise; host work between passes (a few ms of Python per pass) is not
+charged. A ``pass_cost`` model replaces the measured seconds (tests, projections).
 
-Figures per policy (``summarise``):
+Figures per policy (``summarise``; ``add_agreement``):
   tokens_per_second    tokens of finished requests / makespan (first arrival to last end)
   requests_per_second  finished requests / makespan
   latency_p50/p95/p99  arrival to last token, finished requests, seconds
   ttft_p50/p95         arrival to first token
   queue_max, queue_mean  requests waiting, per iteration (mean weighted by clock time)
   tau_mean             mean tau over request passes (what requests were decoded at)
-  tokens_per_forward   tokens / request passes
-  delta_nll            pooled NLL per token under the base model (evaluation.Scorer,
-                       teacher-forced) of this policy's outputs minus that of fixed:1.0's
-  agreement            mean over requests of evaluation.prefix_agreement with the fixed:1.0
+  tokens_per_forward   tokens / request passes (metrics.per_forward)
+  agreement            mean over requests of metrics.prefix_agreement with the fixed:1.0
                        output of the same request (1.0 = identical)
+research/serve_sim.py adds delta_nll_base (dNLL under the base model).
 """
 
 from __future__ import annotations
@@ -36,12 +33,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
-from transformers import PreTrainedModel
-
 from .decoding import eos_ids
-from .evaluation import Scorer, pooled_nll, prefix_agreement
 from .loading import LoadedModel
+from .metrics import prefix_agreement
+from .prompts import pad_id
 from .serving import LoopEvent, PassCost, Request, ServeConfig, ServingLoop, parse_policy
 
 ARRIVALS = ("poisson", "burst")
@@ -119,10 +114,8 @@ class PolicyRun:
 
 
 def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None) -> ServingLoop:
-    tok = lm.tokenizer
     return ServingLoop(
-        lm.model, mask_id=lm.meta.mask_token_id, pad_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-        stop_ids=eos_ids(lm.model, tok), policy=parse_policy(policy), pass_cost=pass_cost,
+        lm.model, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer), stop_ids=eos_ids(lm.model, lm.tokenizer), policy=parse_policy(policy), pass_cost=pass_cost,
         config=ServeConfig(mode=config.mode, max_batch=config.max_batch, max_new_tokens=config.max_new_tokens,
                            block_size=lm.meta.block_size),
     )
@@ -232,100 +225,15 @@ def request_records(run: PolicyRun) -> list[dict]:
     ]
 
 
-def add_quality(summaries: list[dict], runs: list[PolicyRun], reference: PolicyRun, base: PreTrainedModel | None) -> None:
-    """agreement, and delta_nll under ``base`` (if given), against ``reference`` (fixed:1.0), over requests done in both."""
-    ref = {i: s for i, s in reference.loop.served.items() if s.status == "done"}
-    prompts = sorted({s.request.prompt for s in ref.values()})
-    index = {p: i for i, p in enumerate(prompts)}
-    scorer = Scorer(base, [list(p) for p in prompts]) if base is not None else None
-    ref_nll = pooled_nll([scorer(index[s.request.prompt], s.token_ids) for s in ref.values()]) if scorer else 0.0
+def reference_done(reference: PolicyRun) -> dict:
+    """The reference replay's finished requests by id (the outputs quality is measured against)."""
+    return {i: s for i, s in reference.loop.served.items() if s.status == "done"}
+
+
+def add_agreement(summaries: list[dict], runs: list[PolicyRun], reference: PolicyRun) -> None:
+    """agreement with ``reference`` (fixed:1.0), over the requests finished in both."""
+    ref = reference_done(reference)
     for summary, run in zip(summaries, runs):
         both = [(s, ref[i]) for i, s in run.loop.served.items() if s.status == "done" and i in ref]
         summary["quality_requests"] = len(both)
         summary["agreement"] = round(sum(prefix_agreement(s.token_ids, r.token_ids) for s, r in both) / len(both), 4) if both else None
-        if scorer is not None:
-            nll = pooled_nll([scorer(index[s.request.prompt], s.token_ids) for s, _ in both])
-            summary["delta_nll"] = round(nll - ref_nll, 5) if both else None
-
-
-@torch.inference_mode()
-def batch_pass_costs(
-    model: PreTrainedModel, rows: tuple[int, ...] = (1, 2, 4, 8), widths: tuple[int, ...] = (1, 2, 3, 4),
-    *, context: int = 128, reps: int = 5,
-) -> list[dict]:
-    """Fastest ms (of ``reps``) of one cached pass feeding ``width`` tokens to each of ``rows`` rows after ``context`` tokens.
-
-    The attention mask and position ids are passed as the batch decoder passes them, so the
-    compute path's attention runs as in a real pass. One record per (rows, width).
-    """
-    from transformers import DynamicCache
-
-    gen = torch.Generator().manual_seed(0)
-    vocab, device = model.config.vocab_size, model.device
-    out = []
-    for r in rows:
-        ids = torch.randint(vocab // 4, vocab // 2, (r, context + max(widths)), generator=gen).to(device)
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :context], attention_mask=torch.ones(r, context, dtype=torch.long, device=device),
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for w in widths:
-            mask = torch.ones(r, context + w, dtype=torch.long, device=device)
-            positions = torch.arange(context, context + w, device=device)[None].expand(r, -1)
-            times = []
-            for _ in range(reps + 2):  # two warm-ups
-                started = time.perf_counter()
-                model(input_ids=ids[:, context : context + w], attention_mask=mask, position_ids=positions,
-                      past_key_values=cache, use_cache=True, logits_to_keep=w)
-                times.append(time.perf_counter() - started)
-                cache.crop(-w)
-            # the fastest repetition: on a shared CPU, the one least disturbed by other work
-            out.append({"rows": r, "width": w, "tokens": r * w, "ms": round(min(times[2:]) * 1000, 2)})
-    return out
-
-
-CLOCKS = {
-    "measured": "simulated clock: advances by the measured seconds of every forward pass (prefills included), "
-    "jumps idle time to the next arrival; host work between passes is not charged",
-    "width-free": "projection: a decoding pass of R rows is charged the measured cost of a pass of R rows x 1 token "
-    "(width_cost), whatever its width, as on a GPU where a model this small is launch- or memory-bound; prefills "
-    "are charged as measured. Tokens, acceptance and quality are real; only the clock is modelled",
-}
-
-
-def width_free_cost(model: PreTrainedModel, max_batch: int) -> tuple[PassCost, dict[int, float]]:
-    """The "width-free" clock: (pass_cost, {rows: seconds of a 1-token pass of that many rows}), measured now."""
-    table = {c["rows"]: c["ms"] / 1000 for c in batch_pass_costs(model, tuple(range(1, max_batch + 1)), (1,))}
-
-    def cost(rows: int, width: int, kind: str, measured: float) -> float:
-        return measured if kind == "prefill" else table[rows]
-
-    return cost, table
-
-
-def simulate(
-    lm: LoadedModel, config: SimConfig, pool: Sequence[Sequence[int]], *, base: PreTrainedModel | None = None,
-    deadline: float | None = None, on_event: Callable[[str, LoopEvent], object] | None = None,
-    pass_cost: PassCost | None = None,
-) -> dict:
-    """Warm up, replay the seeded requests under every policy, summarise; quality under ``base`` if given.
-
-    ``deadline``: wall seconds per policy. Returns {"requests", "policies": [{summary, series, requests}]}.
-    """
-    requests = make_requests(config, pool)
-    warm_up(lm, config, requests)
-    runs = []
-    for spec in config.policies:
-        name = parse_policy(spec).name
-        hook = None if on_event is None else (lambda event, name=name: on_event(name, event))
-        runs.append(replay(lm, config, spec, requests, pass_cost=pass_cost, deadline=deadline, on_event=hook))
-    summaries = [summarise(run) for run in runs]
-    if base is not None:
-        reference = next((r for r in runs if r.policy == REFERENCE), None)
-        reference = reference or replay(lm, config, "fixed:1.0", requests, pass_cost=pass_cost, deadline=deadline)
-        add_quality(summaries, runs, reference, base)
-    return {
-        "requests": [{"id": r.id, "arrival": r.arrival, "prompt_tokens": len(r.prompt)} for r in requests],
-        "policies": [
-            {"summary": s, "series": series(run), "requests": request_records(run)} for s, run in zip(summaries, runs)
-        ],
-    }
