@@ -10,7 +10,7 @@ from mars_demo.cli import main
 from mars_demo.engine.prompts import prompt_ids
 from mars_demo.engine.replay import BURST, SimConfig, arrival_times, make_requests, percentile
 from mars_demo.research.serve_report import format_totals, to_html
-from mars_demo.research.serve_sim import simulate
+from mars_demo.research.serve_sim import curve_ms, model_cost, simulate
 from mars_demo.ui.charts import rolling_throughput, serving_figures
 
 from conftest import PROMPTS
@@ -76,16 +76,25 @@ def test_cli_writes_json_and_self_contained_html(model_dir, tmp_path, capsys):
     assert "fixed:1" in capsys.readouterr().out
 
 
-def test_cli_width_free_clock_charges_the_one_token_cost(model_dir, tmp_path):
+@pytest.mark.parametrize("clock", ["width-free", "tokens-fed"])
+def test_cli_cost_model_clocks(model_dir, tmp_path, clock):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps(PROMPTS))
     out = tmp_path / "sim"
     assert main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "5", "--policies", "fixed:1.0,fixed:0.2",
                  "--prompts", str(prompts), "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
-                 "--precision", "fp32", "--no-quality", "--clock", "width-free"]) == 0
+                 "--precision", "fp32", "--no-quality", "--clock", clock]) == 0
     report = json.loads((out / "serve-sim.json").read_text())
-    assert report["clock"].startswith("projection") and set(report["width_cost"]) == {"1", "2"}
-    assert report["settings"]["clock"] == "width-free" and "delta_nll_base" not in report["policies"][0]["summary"]
+    assert report["clock"].startswith("cost model") and report["curve_ms"]
+    assert report["settings"]["clock"] == clock and "delta_nll_base" not in report["policies"][0]["summary"]
+
+
+def test_cost_models_follow_the_curve():
+    curve = {1: 10.0, 2: 12.0, 4: 20.0}
+    assert curve_ms(curve, 1) == 10.0 and curve_ms(curve, 3) == 16.0 and curve_ms(curve, 6) == 28.0
+    cpu, gpu = model_cost(curve, "tokens-fed"), model_cost(curve, "width-free")
+    assert cpu(2, 2, "decode", 9.9) == 0.020 and gpu(2, 2, "decode", 9.9) == 0.012
+    assert gpu(2, 2, "prefill", 9.9) == cpu(2, 2, "prefill", 9.9) == 0.020
 
 
 def test_html_escapes_what_it_shows():

@@ -22,7 +22,7 @@ from ..engine.prompts import prompt_ids
 from ..engine.replay import ARRIVALS, LIMITS, SimConfig
 from ..engine.serving import DEFAULT_LADDER, POLICY_HELP, split_policies
 from ..research.data import read_prompts
-from ..research.serve_sim import CLOCKS, batch_pass_costs, simulate, width_free_cost
+from ..research.serve_sim import CLOCKS, batch_pass_costs, model_cost, simulate
 
 HELP = "simulate serving: seeded arrivals, continuous batching, tau policies compared (latency, throughput, quality)"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_varied32.json"
@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-quality", action="store_true", help="skip dNLL and agreement (no base model load)")
     parser.add_argument("--time-limit", type=float, default=600, help=f"wall seconds per policy (at most {MAX_TIME_LIMIT})")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="measured",
-                        help="measured: the clock advances by measured pass times; width-free: a projection where a "
-                        "pass of R rows costs what R rows x 1 token costs, whatever its width (a GPU's cost shape)")
+                        help="measured: the clock advances by measured pass times; tokens-fed / width-free: "
+                        "deterministic cost models on the compute path's measured curve, a CPU's shape (a pass costs "
+                        "its rows x width tokens) and a GPU's (a pass costs its rows, whatever its width)")
     parser.add_argument("--pass-costs", action="store_true", help="also measure ms per pass at rows 1,2,4,8 x width 1-5")
     parser.add_argument("--out", type=Path, default=Path("runs/serve-sim"), help="folder for serve-sim.json and .html")
     add_precision_argument(parser)
@@ -88,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
     if not pool:
         raise UserError(f"no prompts in {args.prompts}")
     base = None if args.no_quality else (lm.model if args.base == args.model else load_model(args.base).model)
-    pass_cost, width_cost = width_free_cost(lm.model, config.max_batch) if args.clock == "width-free" else (None, None)
+    compute = getattr(lm.model, "mars_compute", None)
+    curve = {int(k): v for k, v in (compute.costs_ms if compute is not None else {}).items()}
+    if args.clock != "measured" and len(curve) < 2:
+        raise UserError(f"--clock {args.clock} needs a measured CPU compute path: pass --precision on a CPU")
+    pass_cost = model_cost(curve, args.clock) if args.clock != "measured" else None
     bar = tqdm(total=config.requests * len(config.policies), desc="serve-sim", unit="request")
     result = simulate(lm, config, pool, base=base, deadline=args.time_limit, pass_cost=pass_cost,
                       on_event=lambda name, event: bar.update(len(event.ended)))
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(args), "argv": sys.argv, "model": lm.name, "machine": machine(lm.model),
-        "clock": CLOCKS[args.clock], "width_cost": width_cost,
+        "clock": CLOCKS[args.clock], "curve_ms": curve or None,
         "settings": {**vars(config), "policies": list(config.policies), "block_size": lm.meta.block_size,
                      "prompts": str(args.prompts), "pool": len(pool), "base": None if base is None else args.base,
                      "adaptive": DEFAULT_LADDER, "time_limit_s": args.time_limit, "verifying": verifying,

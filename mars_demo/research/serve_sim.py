@@ -88,20 +88,35 @@ def batch_pass_costs(
 CLOCKS = {
     "measured": "simulated clock: advances by the measured seconds of every forward pass (prefills included), "
     "jumps idle time to the next arrival; host work between passes is not charged",
-    "width-free": "projection: a decoding pass of R rows is charged the measured cost of a pass of R rows x 1 token "
-    "(width_cost), whatever its width, as on a GPU where a model this small is launch- or memory-bound; prefills "
-    "are charged as measured. Tokens, acceptance and quality are real; only the clock is modelled",
+    "tokens-fed": "cost model (CPU shape): every pass, prefills included, is charged what one row feeding "
+    "rows x width tokens costs on the compute path's measured curve (curve_ms; past its end, its last slope). "
+    "Deterministic; tokens, acceptance and quality are real, only the clock is modelled",
+    "width-free": "cost model (GPU shape): a decoding pass of R rows is charged the curve's R-token cost, whatever its "
+    "width, as on a GPU where a model this small is launch- or memory-bound; prefills as in tokens-fed",
 }
 
 
-def width_free_cost(model: PreTrainedModel, max_batch: int) -> tuple[PassCost, dict[int, float]]:
-    """The "width-free" clock: (pass_cost, {rows: seconds of a 1-token pass of that many rows}), measured now."""
-    table = {c["rows"]: c["ms"] / 1000 for c in batch_pass_costs(model, tuple(range(1, max_batch + 1)), (1,))}
+def curve_ms(curve: dict[int, float], tokens: int) -> float:
+    """ms of a pass feeding ``tokens`` on a measured curve {tokens fed: ms}: interpolated, extrapolated past the end."""
+    points = sorted(curve.items())
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    if tokens >= x1:
+        return y1 + (y1 - y0) / (x1 - x0) * (tokens - x1)
+    low = max((p for p in points if p[0] <= tokens), default=points[0])
+    high = min(p for p in points if p[0] >= tokens)
+    return low[1] if high[0] == low[0] else low[1] + (high[1] - low[1]) * (tokens - low[0]) / (high[0] - low[0])
+
+
+def model_cost(curve: dict[int, float], clock: str) -> PassCost:
+    """The "tokens-fed" or "width-free" clock on ``curve`` (ms by tokens fed, one row: kernels.ComputePath.costs_ms)."""
+    if len(curve) < 2:
+        raise ValueError("a cost-model clock needs the measured compute path's curve (--precision on a CPU)")
 
     def cost(rows: int, width: int, kind: str, measured: float) -> float:
-        return measured if kind == "prefill" else table[rows]
+        fed = rows if clock == "width-free" and kind == "decode" else rows * width
+        return curve_ms(curve, fed) / 1000
 
-    return cost, table
+    return cost
 
 
 def simulate(
