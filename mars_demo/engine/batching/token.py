@@ -147,15 +147,21 @@ class TokenBatch:
         self.pending = [list(p) for p in prompts]  # fed next pass: the prompt first, then the tokens accepted last pass
         self.next_pos = [0] * len(prompts)  # position id of each row's next real token
         self.drafts: list[list[int]] = [[] for _ in prompts]  # verifying: each row's guesses for the tokens after its pending ones
+        self.history = [list(p) for p in prompts]  # verifying: each row's committed tokens, where exact passes look up drafts
 
     @torch.inference_mode()
     def step(self, tau: float) -> tuple[list[RowStep], int]:
         """One forward pass for every active row; (a step per book row, columns fed). Finished rows leave."""
         if self.verifying:
+            if tau >= 1.0:  # exact passes also draft by lookup, as decode_passes does
+                for r in self.active:
+                    self.drafts[r] = exact.pick_drafts(self.history[r], self.drafts[r], self.B - 1)
             steps, fed = _verify_pass(
                 self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, self.B - 1, self.mask_id,
                 self.pad_id, tau, self.metric,
             )
+            for r in self.active:
+                self.history[r] += steps[r].token_ids
         else:
             steps, fed = self._window_pass(tau)
         self.active = self.kv.drop_finished(self.book, self.active)
@@ -183,7 +189,7 @@ class TokenBatch:
             return []
         first = self.book.extend(other.book, live)
         rows = list(range(first, first + len(live)))
-        for name in ("pending", "next_pos", "drafts"):
+        for name in ("pending", "next_pos", "drafts", "history"):
             getattr(self, name).extend(getattr(other, name)[r] for r in live)
         if self.active:
             self.kv.merge(other.kv)
