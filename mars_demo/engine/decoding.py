@@ -150,6 +150,24 @@ def forward_fed(model: PreTrainedModel, cache: DynamicCache, fed: exact.Fed) -> 
     return out.logits[0]
 
 
+def mars_pass(
+    model: PreTrainedModel, cache: DynamicCache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
+    temperature: float, generator: torch.Generator | None, max_fed: int | None,
+) -> tuple[list[int], list[float]]:
+    """One MARS pass: feed [pending | masks], accept the confident prefix, crop the masks off the cache.
+
+    At tau = 1.0 only candidate 1 can be accepted, so the masks are skipped (a plain AR pass).
+    """
+    width = 1 if tau >= 1.0 else masks.shape[1] + 1
+    if width > 1 and max_fed is not None:
+        width = capped_width(width, len(pending), max_fed)
+    fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=model.device), masks[:, : width - 1]], dim=1)
+    tokens, confs = accept_prefix(forward_window(model, cache, fed, width), tau, metric, temperature, generator)
+    if width > 1:
+        cache.crop(-(width - 1))  # drop the masks; accepted tokens are fed next pass
+    return tokens, confs
+
+
 def verify_pass(
     model: PreTrainedModel, cache: DynamicCache, pending: list[int], drafts: list[int], lookahead: int, mask_id: int,
     tau: float, metric: str, *, fallback: bool = True,
@@ -212,16 +230,9 @@ def decode_passes(
             tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
             pending = tokens[verdict.cached :]
         else:
-            # At tau = 1.0 only candidate 1 can be accepted: skip the masks and run a plain AR pass.
-            width = 1 if tau_now >= 1.0 else window
-            if width > 1 and max_fed is not None and produced:
-                width = capped_width(width, len(pending), max_fed)
-            fed_ids = torch.tensor([pending], dtype=torch.long, device=device)
-            logits = forward_window(model, cache, torch.cat([fed_ids, masks[:, : width - 1]], dim=1), width)
-            tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator)
+            cap = max_fed if produced else None  # the prefill always gets every mask
+            tokens, confs = mars_pass(model, cache, pending, masks, tau_now, metric, temperature, generator, cap)
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
-            if width > 1:
-                cache.crop(-(width - 1))  # drop the masks; accepted tokens are fed next pass
             pending = tokens
         tokens, finish = commit_tokens(tokens, max_new_tokens - produced, stop_ids)
         produced += len(tokens)
