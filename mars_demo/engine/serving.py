@@ -24,7 +24,7 @@ the tokens accepted and the clock.
 The loop keeps its own clock. By default it advances by the measured seconds of each
 pass; ``pass_cost(rows, width, kind, measured)`` replaces them with a cost model (seconds;
 kind is "prefill" or "decode"), which makes a replay deterministic (tests) or projects it
-onto other hardware (research/serve_sim.width_free_cost). Arrivals are read off that clock, so a
+onto other hardware (research/serve_sim.model_cost). Arrivals are read off that clock, so a
 simulated replay needs no sleeps.
 """
 
