@@ -12,7 +12,8 @@ default 1: on a small CPU, one race at a time keeps its timings honest), MARS_DE
 comma-separated), MARS_DEMO_ANY_MODEL (accept typed local paths and hub ids: default on
 locally, off on a Space or when GRADIO_SERVER_NAME is not a local address),
 MARS_DEMO_TRACE_DIR (the trace folder), MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_AGE (the
-bound on trace files: count and seconds).
+bound on trace files: count and seconds), MARS_DEMO_SESSIONS (sessions whose state Gradio keeps),
+MARS_DEMO_MEMORY_MARGIN_MB (memory a model load must leave free), MARS_DEMO_MALLOC_TRIM.
 
 Gradio deep-copies the component config on every page load, so nothing in it may reach
 the model: the state's delete callback and the unload handler are plain functions that
@@ -330,9 +331,16 @@ ensure_bundled_package()
 demo = build_demo()
 
 
+def launch_options(env: dict[str, str] = os.environ) -> dict:
+    """``demo.launch`` keywords. Gradio keeps each session's state (its components' latest values,
+    ~0.1 MB before a run, a few hundred KB after) until the session is evicted, least recently used
+    first, past ``state_session_capacity``; Gradio's default, 10000, would be gigabytes (docs/soak.md)."""
+    return {"theme": THEME, "css": CSS, "state_session_capacity": int(env.get("MARS_DEMO_SESSIONS", "1000"))}
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-    demo.launch(theme=THEME, css=CSS)
+    demo.launch(**launch_options())
 
 
 if __name__ == "__main__":
