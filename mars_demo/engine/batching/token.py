@@ -26,6 +26,7 @@ from .. import exact
 from ..acceptance import accept_rows
 from ..config import EXACT_IS_GREEDY
 from ..decoding import LiveTau
+from ..placement import SeededGenerator
 from .events import BatchEvent, RowStep
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
@@ -102,7 +103,7 @@ def token_passes(
 
     ``verifying``: exact / hybrid mode (decoding.decode_passes); every row verifies its own drafts.
     """
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    generator = SeededGenerator(seed)  # on the logits' device (placement.py)
     batch = TokenBatch(
         model, prompts, block_size=block_size, mask_id=mask_id, pad_id=pad_id, metric=metric,
         temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids, generator=generator,
@@ -134,12 +135,13 @@ class TokenBatch:
     def __init__(
         self, model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, block_size: int, mask_id: int, pad_id: int,
         metric: str = "probability", temperature: float = 0.0, max_new_tokens: int = 256,
-        stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None, verifying: bool = False,
+        stop_ids: set[int] = frozenset(), generator: SeededGenerator | None = None, verifying: bool = False,
     ) -> None:
         if verifying and temperature > 0:
             raise ValueError(EXACT_IS_GREEDY)
         self.B, self.mask_id, self.pad_id, self.metric = block_size, mask_id, pad_id, metric
-        self.temperature, self.generator, self.verifying = temperature, generator, verifying
+        self.temperature, self.verifying = temperature, verifying
+        self.generator = generator or SeededGenerator(None)
         limit = limit_new_tokens(model, prompts, max_new_tokens, 2 * block_size if verifying else block_size)
         self.book = RowBook(len(prompts), limit, set(stop_ids))
         self.kv = PaddedCache(model, len(prompts))
@@ -174,7 +176,9 @@ class TokenBatch:
                        [book.room(r) for r in active], width, self.mask_id, self.pad_id)
         logits = self.kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
         self.kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
-        tokens, confs = accept_rows(logits, window.start, window.cap, tau, self.metric, self.temperature, self.generator)
+        tokens, confs = accept_rows(
+            logits, window.start, window.cap, tau, self.metric, self.temperature, self.generator.on(logits.device)
+        )
         steps = book.commit_all(active, tokens, confs)
         for r in active:
             self.next_pos[r] += len(self.pending[r])
