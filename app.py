@@ -16,7 +16,8 @@ default 1: on a small CPU, one race at a time keeps its timings honest), MARS_DE
 comma-separated), MARS_DEMO_ANY_MODEL (accept typed local paths and hub ids: default on
 locally, off on a Space or when GRADIO_SERVER_NAME is not a local address),
 MARS_DEMO_TRACE_DIR (the trace folder), MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_AGE (the
-bound on trace files: count and seconds).
+bound on trace files: count and seconds), MARS_DEMO_SESSIONS (sessions whose state Gradio keeps),
+MARS_DEMO_MEMORY_MARGIN_MB (memory a model load must leave free), MARS_DEMO_MALLOC_TRIM.
 
 Gradio deep-copies the component config on every page load, so nothing in it may reach
 the model: the state's delete callback and the unload handler are plain functions that
@@ -47,6 +48,15 @@ from mars_demo.ui.handlers import (
 from mars_demo.ui.models import Loader, ModelPolicy
 from mars_demo.ui.race import Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
+from mars_demo.ui.serving import (
+    BOUNDS,
+    DEFAULT_POLICIES,
+    POLICY_CHOICES,
+    SERVING_INTRO,
+    TOTAL_HEADERS,
+    ServingHandlers,
+    ServingState,
+)
 from mars_demo.ui.traces import TraceStore, stem
 from mars_demo.ui.zerogpu import RUN_SECONDS, SWEEP_SECONDS, gpu_handler, on_zero_gpu, zero_gpu_load
 
@@ -197,6 +207,49 @@ def _sweep_tab() -> dict:
     return c
 
 
+def _serving_slider(name: str, label: str, step: float) -> gr.Slider:
+    low, high, value = BOUNDS[name]
+    return gr.Slider(minimum=low, maximum=high, step=step, value=value, label=label, elem_id=f"serve-{name}")
+
+
+def _serving_tab() -> dict:
+    """Serving: arrivals, rate, policies, bounded counts and time limit, Run / Stop, four live charts, totals."""
+    c = {"serve_state": gr.State(lambda: ServingState())}
+    gr.Markdown(SERVING_INTRO)
+    with gr.Row():
+        c["serve_arrivals"] = gr.Radio(["poisson", "burst"], value="poisson", label="Arrivals", elem_id="serve-arrivals")
+        c["serve_rate"] = _serving_slider("rate", "Rate (requests / s)", 0.05)
+        c["serve_requests"] = _serving_slider("requests", "Requests per policy", 1)
+        c["serve_time_limit"] = _serving_slider("time_limit", "Time limit (s, whole run)", 5)
+    with gr.Row():
+        c["serve_policies"] = gr.CheckboxGroup(list(POLICY_CHOICES), value=DEFAULT_POLICIES, label="Policies", scale=3,
+                                               elem_id="serve-policies")
+        c["serve_extra"] = gr.Textbox(label="More policies", placeholder="e.g. fixed:0.7, ladder:0=1,2=0.9,6=0.7",
+                                      scale=2, elem_id="serve-extra")
+        c["serve_max_batch"] = _serving_slider("max_batch", "Max batch", 1)
+        c["serve_max_new"] = _serving_slider("max_new_tokens", "Max new tokens", 8)
+    with gr.Row():
+        c["serve_run"] = gr.Button("Run", variant="primary", elem_id="serve-run")
+        c["serve_stop"] = gr.Button("Stop", variant="stop", elem_id="serve-stop")
+    c["serve_status"] = gr.HTML("", min_height=40, js_on_load=None, elem_id="serve-status")
+    for row in (("serve_tau", "serve_queue"), ("serve_throughput", "serve_latency")):
+        with gr.Row():
+            for name in row:
+                c[name] = gr.Plot(show_label=False, min_width=380, elem_id=name.replace("_", "-"), elem_classes="plot-cell")
+    c["serve_totals"] = gr.Dataframe(headers=TOTAL_HEADERS, label="Totals", interactive=False, elem_id="serve-totals")
+    return c
+
+
+def _wire_serving(serving: ServingHandlers, c: dict, concurrency: int) -> None:
+    """Run shares the race's decoding slot (so a run blocks races for at most its time limit); Stop never queues."""
+    names = ["serve_arrivals", "serve_rate", "serve_policies", "serve_extra", "serve_requests", "serve_time_limit",
+             "serve_max_batch", "serve_max_new", "model", "serve_state"]
+    outputs = ["serve_status", "serve_tau", "serve_queue", "serve_throughput", "serve_latency", "serve_totals"]
+    c["serve_run"].click(serving.run, [c[n] for n in names], [c[n] for n in outputs], concurrency_limit=concurrency,
+                         concurrency_id="decode", show_progress_on=[c["serve_status"]])
+    c["serve_stop"].click(serving.stop, [c["serve_state"]], None, concurrency_limit=None, show_progress="hidden")
+
+
 def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, concurrency: int) -> None:
     """Every event, its inputs and outputs by name; the handlers' outputs come in the order of *_OUTPUTS."""
     pick = lambda names: [c[n] for n in names]
@@ -253,11 +306,16 @@ def build_demo(
                 components |= _race_tab()
             with gr.Tab("Sweep", id="sweep"):
                 components |= _sweep_tab()
+            with gr.Tab("Serving", id="serving"):
+                components |= _serving_tab()
         _wire(demo, handlers, components, session, concurrency)
+        serving = ServingHandlers(handlers)
+        _wire_serving(serving, components, concurrency)
         demo.unload(forget_tab)
 
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.handlers = handlers  # for tests and notebooks: the model cache and the handlers behind the UI
+    demo.serving = serving  # the Serving tab's handlers
     demo.components = components  # every component by name
     return demo
 
@@ -273,9 +331,16 @@ if on_zero_gpu():
     demo.handlers.models.get(BUNDLED)
 
 
+def launch_options(env: dict[str, str] = os.environ) -> dict:
+    """``demo.launch`` keywords. Gradio keeps each session's state (its components' latest values,
+    ~0.1 MB before a run, a few hundred KB after) until the session is evicted, least recently used
+    first, past ``state_session_capacity``; Gradio's default, 10000, would be gigabytes (docs/soak.md)."""
+    return {"theme": THEME, "css": CSS, "state_session_capacity": int(env.get("MARS_DEMO_SESSIONS", "1000"))}
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-    demo.launch(theme=THEME, css=CSS)
+    demo.launch(**launch_options())
 
 
 if __name__ == "__main__":

@@ -182,6 +182,7 @@ class Soak:
         self.trace_files: list[tuple[float, int]] = []
         self.deadline = time.monotonic() + args.minutes * 60
         self.downloads = server.scratch / "downloads"
+        self.rss_warm: tuple[float, float] | None = None  # (seconds, RSS MB) once --warmup-runs runs are done
 
     def more(self) -> bool:
         with self.lock:
@@ -240,6 +241,8 @@ class Soak:
         self.record(action, started)
         with self.lock:
             self.runs += 1
+            if self.runs == self.args.warmup_runs:
+                self.rss_warm = (round(time.monotonic() - self.server.started, 1), round(self.server.rss(), 1))
         files = result[JSON_FILE]
         if not (isinstance(files, dict) and files.get("value")):
             if action == "stop":
@@ -261,7 +264,14 @@ class Soak:
         started = time.monotonic()
         with ThreadPoolExecutor(self.args.sessions) as pool:
             list(pool.map(self.session, range(self.args.sessions)))
+        warm_t, warm_mb = self.rss_warm or (None, None)
+        after = [mb for t, mb in self.server.samples if warm_t is not None and t >= warm_t]
+        end_mb = round(self.server.rss(), 1)
         return {
+            "rss_mb_warm": warm_mb,
+            "rss_mb_end": end_mb,
+            "rss_mb_growth_after_warmup": round(end_mb - warm_mb, 1) if warm_mb else None,
+            "rss_mb_range_after_warmup": [min(after), max(after)] if after else None,
             "seconds": round(time.monotonic() - started, 1),
             "runs": self.runs,
             "actions": dict(self.actions),
@@ -271,6 +281,15 @@ class Soak:
             "trace_files_max": max((n for _, n in self.trace_files), default=0),
             "trace_files": self.trace_files[:: max(1, len(self.trace_files) // 60)],
         }
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "unknown"
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
+    return names[0] if names else "unknown"
 
 
 def summary(values: list[float]) -> dict:
@@ -296,6 +315,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--minutes", type=float, default=8.0)
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--warmup-runs", type=int, default=20, help="runs before memory counts as warmed up")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--repeat", type=int, default=5, help="sequential GET /config and GET /")
     parser.add_argument("--parallel", type=int, default=10, help="simultaneous GET /")
@@ -311,7 +331,9 @@ def main() -> None:
     env = {"MARS_DEMO_TRACE_FILES": str(args.trace_files), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     server = Server(args.app_dir, env, args.sample, args.max_rss_gb, log)
     report: dict = {"app_dir": str(args.app_dir), "args": {k: str(v) for k, v in vars(args).items()},
-                    "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX")}
+                    "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
+                    "malloc_trim": os.environ.get("MARS_DEMO_MALLOC_TRIM", "default (5 s)"),
+                    "cpu": cpu_model()}
     try:
         server.wait_ready()
         report["rss_mb_idle"] = round(server.rss(), 1)
@@ -321,8 +343,7 @@ def main() -> None:
         if args.sessions:
             warm = server.rss()
             report["soak"] = Soak(server, args).run()
-            report["soak"]["rss_mb_after_warmup"] = round(warm, 1)
-            report["soak"]["rss_mb_end"] = round(server.rss(), 1)
+            report["soak"]["rss_mb_after_page_loads"] = round(warm, 1)
     finally:
         report["killed_for_memory"] = server.killed
         report["rss_samples_mb"] = server.samples

@@ -200,14 +200,14 @@ def test_failed_load_keeps_the_previous_model(handlers):
     session = Session()
     loading, done = (named(MODEL_OUTPUTS, o) for o in handlers.show_model(BUNDLED, session))
     assert "Loading smollm2-135m-mars" in loading["model_line"]
-    assert "Serving" in done["model_line"] and done["block_size"]["value"] == 4
+    assert "Serving" in done["model_line"] and done["block_size"] == 4
     assert len(list(handlers.show_model(BUNDLED, session))) == 1  # cached: no "Loading" flash
     with pytest.warns(UserWarning, match="Still serving"):
         *_, last = handlers.show_model("bad/<b>model</b>", session)
     status, picker, block = (named(MODEL_OUTPUTS, last)[name] for name in MODEL_OUTPUTS)
     assert "Could not load that model" in status and "bad/" not in status and "<b>" not in status  # never echoed
     assert "Still serving smollm2-135m-mars." in status and ".." not in status
-    assert picker["value"] == BUNDLED and is_skip(block)
+    assert picker == BUNDLED and is_skip(block)
     assert session.spec == BUNDLED
     assert handlers.models.loaded() == [BUNDLED]
     outputs = list(start(handlers, session, with_ar=False))  # still serving

@@ -23,6 +23,7 @@ import torch
 import app
 from mars_demo.engine.config import DecodeConfig
 from mars_demo.engine.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
+from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import BUSY, MODEL_OUTPUTS, RACE_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.messages import error, for_client, is_api, sentence
 from mars_demo.ui.models import ModelBusy, ModelCache, ModelPolicy, ModelRefused, model_choices
@@ -100,7 +101,7 @@ def test_a_refused_spec_opens_nothing_and_gets_one_message(spy_loader, tmp_path)
             *_, last = handlers.show_model(spec, session)
         status, picker = named(MODEL_OUTPUTS, last)["model_line"], named(MODEL_OUTPUTS, last)["model"]
         messages.add(status)
-        assert picker["value"] == BUNDLED and session.spec == BUNDLED
+        assert picker == BUNDLED and session.spec == BUNDLED
         with pytest.raises(gr.Error) as err:
             next(handlers.run(PROMPT, *settings(spec=spec), session))
         messages.add(err.value.message)
@@ -167,7 +168,7 @@ def test_a_run_keeps_its_model_while_another_session_asks_for_another(spy_loader
     with pytest.warns(UserWarning, match="in use by other visitors"):
         *_, last = handlers.show_model(BUNDLED_BASE, Session())
     status, picker = named(MODEL_OUTPUTS, last)["model_line"], named(MODEL_OUTPUTS, last)["model"]
-    assert "in use by other visitors" in BUSY and "in use by other visitors" in status and picker["value"] == BUNDLED
+    assert "in use by other visitors" in BUSY and "in use by other visitors" in status and picker == BUNDLED
     assert handlers.models.loaded() == [BUNDLED]
     list(run)
     assert a.trace.status == "done" and handlers.models.in_use() == {}
@@ -265,5 +266,53 @@ def test_served_app_through_the_api(spy_loader, tmp_path, monkeypatch):
             assert message in str(err.value) and err.value.title == title and "&#" not in str(err.value)
         assert spy_loader.calls == [BUNDLED]
         assert [p.name for p in (tmp_path / "traces").iterdir()]  # the downloaded trace is still there
+    finally:
+        demo.close()
+
+
+def test_sessions_kept_are_bounded(spy_loader, tmp_path, monkeypatch):
+    """Gradio keeps every session's state until it evicts the least recently used past the capacity."""
+    from gradio_client import Client
+
+    assert app.launch_options({})["state_session_capacity"] == 1000
+    options = app.launch_options({"MARS_DEMO_SESSIONS": "2"})
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    demo = app.build_demo(spy_loader, policy=CLOSED, traces=TraceStore(tmp_path / "traces"))
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                state_session_capacity=options["state_session_capacity"])
+    try:
+        for tau in (0.5, 0.6, 0.7):  # three API sessions, each with its own state
+            Client(f"http://127.0.0.1:{port}/", verbose=False).predict(tau, api_name="/set_tau")
+        assert len(demo.state_holder.session_data) == 2
+        kept = [next(iter(s.state_data.values())) for s in demo.state_holder.session_data.values()]
+        assert sorted(session.tau.get() for session in kept) == [0.6, 0.7]  # the oldest went
+    finally:
+        demo.close()
+
+
+def test_streamed_runs_do_not_grow_the_session(spy_loader, tmp_path, monkeypatch):
+    """Gradio keeps each session's latest component values; a run's passes must replace them, not pile up.
+
+    (Gradio 6.31 stores a value that follows a gr.skip() for the same output under a new id, so a run
+    that streams plain values between skips added a copy of a pane or a figure to its session per pass.)
+    """
+    from gradio_client import Client
+
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    demo = app.build_demo(spy_loader, policy=CLOSED, traces=TraceStore(tmp_path / "traces"))
+    demo.handlers.chart_every = 0.0  # charts on every pass as well
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False, download_files=str(tmp_path / "downloads"))
+        for tau in (0.9, 0.5, 0.7):
+            client.predict(PROMPT, *settings(tau=tau, max_new_tokens=24), api_name="/run")
+        client.predict(list(EXAMPLE_PROMPTS[:2]), [0.7], 8, BUNDLED, 4, "probability", 0.0, False, api_name="/sweep")
+        client.predict(api_name="/stop")
+        (session,) = demo.state_holder.session_data.values()
+        assert set(session.blocks_config.blocks) <= set(demo.blocks)  # one stored component per block, no more
+        assert set(session.config_values) <= set(demo.blocks)
+        assert [type(v) for v in session.state_data.values()] == [Session]
     finally:
         demo.close()

@@ -179,14 +179,17 @@ def pass_cache(model: PreTrainedModel, length: int, verifying: bool) -> tuple[Ca
 
 def mars_pass(
     model: PreTrainedModel, cache: Cache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
-    temperature: float, generator: SeededGenerator, call=None,
+    temperature: float, generator: SeededGenerator, max_fed: int | None, call=None,
 ) -> tuple[list[int], list[float]]:
-    """One MARS pass (AR: no masks): feed ``pending`` and ``masks``, accept, drop the masks off the cache.
+    """One MARS pass: feed [pending | masks], accept the confident prefix, drop the masks off the cache.
 
+    At tau = 1.0 only candidate 1 can be accepted, so the masks are skipped (a plain AR pass).
     Inputs go where ``masks`` is (the first layer's device); sampling happens on the logits' device.
     """
-    fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=masks.device), masks], dim=1)
-    width = masks.shape[1] + 1
+    width = 1 if tau >= 1.0 else masks.shape[1] + 1
+    if width > 1 and max_fed is not None:
+        width = capped_width(width, len(pending), max_fed)
+    fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=masks.device), masks[:, : width - 1]], dim=1)
     logits = forward_window(model, cache, fed, width, call)
     tokens, confs = accept_prefix(logits, tau, metric, temperature, generator.on(logits.device))
     rewind(cache, width - 1)  # accepted tokens are fed next pass
@@ -226,6 +229,7 @@ def decode_passes(
     drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
     compute = getattr(model, "mars_compute", None)  # kernels.ComputePath: the measured cost curve
     depths = exact.DraftDepth(window - 1, compute.costs_ms if compute else None)
+    history = [*prompt]  # every committed token: where exact mode looks up drafts
     produced = 0
     while True:
         tau_now = tau.get()
@@ -233,22 +237,20 @@ def decode_passes(
         if verifying:
             # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
             depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
-            drafts = drafts[:depth]
+            drafts = exact.pick_drafts(history, drafts, depth) if tau_now >= 1.0 else drafts[:depth]
             verdict = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback=fallback)
             depths.observe(len(drafts), verdict.cached)
             tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
             pending = tokens[verdict.cached :]
         else:
-            # At tau = 1.0 only candidate 1 can be accepted: skip the masks and run a plain AR pass.
-            width = 1 if tau_now >= 1.0 else window
-            if width > 1 and max_fed is not None and produced:
-                width = capped_width(width, len(pending), max_fed)
-            tokens, confs = mars_pass(model, cache, pending, masks[:, : width - 1], tau_now, metric, temperature,
-                                      generator, compiled if produced else None)  # the prefill stays eager
+            cap = max_fed if produced else None  # the prefill always gets every mask
+            tokens, confs = mars_pass(model, cache, pending, masks, tau_now, metric, temperature, generator, cap,
+                                      compiled if produced else None)  # the prefill stays eager
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
             pending = tokens
         tokens, finish = commit_tokens(tokens, max_new_tokens - produced, stop_ids)
         produced += len(tokens)
+        history += tokens
         seconds = time.perf_counter() - started
         yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length())
         if finish:

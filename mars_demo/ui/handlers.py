@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from html import escape
 from pathlib import Path
@@ -31,6 +31,7 @@ import gradio as gr
 from ..engine.config import DecodeConfig
 from ..engine.decoding import generate
 from ..engine.loading import load_for_decoding
+from ..engine.memory import ModelTooLarge, check_fits, trim_heap
 from . import charts
 from .messages import error, sentence, warning
 from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note
@@ -49,16 +50,35 @@ SWEEP_OUTPUTS = ("sweep_status", "sweep_plot", "sweep_table")
 
 
 def outputs(names: tuple[str, ...], **values) -> tuple:
-    """Values keyed by output name, as the tuple Gradio expects for ``names``; gr.skip() for those not given."""
+    """Values keyed by output name, as the tuple Gradio expects for ``names``, each sent as an update
+    (``gr.update(value=...)``); gr.skip() for those not given.
+
+    Why updates: Gradio (6.31) keeps every session's latest component values until the session
+    is evicted. gr.skip() replaces the session's copy of a component with a new one under a new
+    id, and a plain value sent after that is stored under that new id, beside the old entry. A
+    run that alternated skips and plain values added a copy of a pane or a figure to its
+    session per pass (docs/soak.md, "Memory growth"); an update replaces the entry in place.
+    """
     unknown = set(values) - set(names)
     if unknown:
         raise KeyError(f"not an output of this handler: {', '.join(sorted(unknown))}")
-    return tuple(values.get(name, gr.skip()) for name in names)
+    return tuple(_as_update(values[name]) if name in values else gr.skip() for name in names)
+
+
+def _as_update(value):
+    return value if isinstance(value, dict) and value.get("__type__") == "update" else gr.update(value=value)
 
 
 def named(names: tuple[str, ...], values: tuple) -> dict:
-    """A handler's output tuple back as a dict by name (tests, notebooks)."""
-    return dict(zip(names, values, strict=True))
+    """A handler's output tuple back as a dict by name (tests, notebooks); an update that carries
+    only a value comes back as that value, gr.skip() and updates of other properties as they are."""
+    return {name: _value_only(value) for name, value in zip(names, values, strict=True)}
+
+
+def _value_only(value):
+    if isinstance(value, dict) and value.keys() == {"__type__", "value"} and value["__type__"] == "update":
+        return value["value"]
+    return value
 
 
 def empty_figures() -> dict:
@@ -87,8 +107,9 @@ class DemoHandlers:
         trace_dir: str | Path | None = None,
         traces: TraceStore | None = None,
         stop_wait: float = 10.0,
+        guard: Callable[[str], None] | None = check_fits,
     ) -> None:
-        self.models = ModelCache(loader, capacity)
+        self.models = ModelCache(loader, capacity, guard)  # guard: refuses a model that would not fit in memory
         self.policy = policy or ModelPolicy.from_env()
         self.chart_every = chart_every  # seconds between chart refreshes while a run streams
         self.traces = traces or TraceStore(trace_dir or Path(tempfile.gettempdir()) / "mars_demo_traces")
@@ -99,6 +120,8 @@ class DemoHandlers:
         """The message for a model that cannot be served; details go to the server log only."""
         if isinstance(err, ModelBusy):
             return BUSY
+        if isinstance(err, ModelTooLarge) and (spec or "").strip() in self.policy.specs:
+            return str(err)  # sizes only; a typed spec gets the one refusal below
         if not isinstance(err, ModelRefused):
             logger.warning("cannot load %r: %s", spec, err)
         return self.policy.refusal
@@ -220,6 +243,10 @@ class DemoHandlers:
                     yield self._outputs(trace, ("mars", "ar"), True, True, session, owner)
             finally:
                 trace.ended.set()  # also when Gradio cancels and closes this generator
+                for decoder in (mars, ar):  # their KV caches go now, not when Gradio drops this generator
+                    if decoder is not None:
+                        decoder.close()
+                trim_heap()  # and the freed pages back to the system (engine/memory.py)
 
     def stop(self, session: Session, request: gr.Request = None) -> tuple:
         """Stop's own handler; ``cancels=`` ends the run generator at its next pass.
@@ -248,6 +275,7 @@ class DemoHandlers:
         config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window, request)
         with ExitStack() as held:
             yield from self._sweep(prompts, taus, config, runs_planned, self._hold(spec, held, request), progress)
+        trim_heap()
 
     def _sweep(self, prompts, taus, config, runs_planned, lm, progress) -> Iterator[tuple]:
         runs = []

@@ -13,7 +13,8 @@ at a time). A run holds its model (``hold``) for as long as it decodes; a model 
 use is never dropped: loading another spec drops the least recently used idle model,
 and when every slot is in use the load is refused (``ModelBusy``) instead. Decoding
 needs no lock: a forward pass does not change the model, and each generation keeps
-its own KV cache.
+its own KV cache. Before a load, ``guard(spec)`` may refuse it (the app's guard is
+``engine.memory.check_fits``: a model that would not fit in the free memory is never loaded).
 """
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ class ModelPolicy:
 
 
 class ModelCache:
-    def __init__(self, loader: Loader, capacity: int = 1) -> None:
+    def __init__(self, loader: Loader, capacity: int = 1, guard: Callable[[str], None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"the model cache holds at least one model, got capacity {capacity}")
         self._loader = loader
+        self._guard = guard  # raises to refuse a load (engine.memory.check_fits), called before the loader
         self._capacity = capacity
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self._users: Counter[str] = Counter()  # runs decoding with each spec right now
@@ -118,7 +120,7 @@ class ModelCache:
     def get(self, spec: str, *, use: bool = False) -> LoadedModel:
         """The model for ``spec``, loading it if needed (``use``: count one more user; see ``hold``).
 
-        Raises ``ModelBusy`` when the cache is full of models in use; the loader's error propagates.
+        Raises ``ModelBusy`` when the cache is full of models in use; the guard's and the loader's errors propagate.
         """
         spec = spec.strip()
         lm = self._cached(spec, use)
@@ -131,6 +133,8 @@ class ModelCache:
             with self._lock:
                 if len(self._models) >= self._capacity and not self._idle():
                     raise ModelBusy("every model slot is in use by a run")
+            if self._guard is not None:
+                self._guard(spec)
             logger.info("loading %s", spec)
             lm = self._loader(spec)
             with self._lock:
