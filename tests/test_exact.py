@@ -231,3 +231,13 @@ def test_exact_on_a_steep_curve_feeds_narrower_passes_and_stays_exact(lm, monkey
     assert narrow == wide == [ar_ids(lm, prompt) for prompt in PROMPTS]
     prefill = {len(prompt_ids(lm.tokenizer, p)) + 3 for p in PROMPTS} | {len(prompt_ids(lm.tokenizer, p)) + 1 for p in PROMPTS}
     assert max(w for w in widths if w not in prefill) <= 3 < max(wide_widths)  # [newest | draft | mask] at most
+
+
+def test_lookup_copies_what_followed_the_latest_earlier_match():
+    history = [5, 6, 7, 8, 9, 1, 5, 6, 7, 3, 4, 2, 5, 6, 7]
+    assert exact.lookup(history, 2, ngram=3) == [3, 4]  # the latest match wins, not the first
+    assert exact.lookup(history, 9, ngram=3) == [3, 4, 2, 5, 6, 7]  # up to the end of the text
+    assert exact.lookup([1, 2, 3, 4], 2, ngram=2) == []  # no earlier match
+    assert exact.pick_drafts(history, [11, 12, 13], 2) == [3, 4]  # a 3-token match beats the masks' guesses
+    assert exact.pick_drafts([1, 2, 9, 1, 2], [11, 12, 13], 2) == [11, 12]  # a 2-token one does not...
+    assert exact.pick_drafts([1, 2, 9, 1, 2], [], 2) == [9, 1]  # ...but fills an empty draft list

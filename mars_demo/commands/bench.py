@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, max_fed_text
+from ..engine.compiled import enable_compiled_decoding
 from ..engine.loading import default_precision, load_model
 from ..research.bench import METHODS, BenchConfig, run_benchmark
 from ..research.data import read_prompts
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("report.json"), help="report path; the HTML report goes beside it")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--compile", action="store_true",
+                        help="CUDA: MARS and AR passes on a static KV cache through torch.compile (CUDA graphs); "
+                        "run once with and once without to compare")
     add_max_fed_argument(parser)
     add_precision_argument(parser)
 
@@ -65,6 +69,8 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
     for flag, value in (("--precision", args.precision), ("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):
         if value is not None:
             parts += [flag, str(value)]
+    if getattr(args, "compile", False):
+        parts.append("--compile")
     return shlex.join(parts)
 
 
@@ -89,8 +95,13 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision())
+    if args.compile:
+        if lm.device.type != "cuda":
+            raise UserError("--compile is for CUDA (static cache, CUDA graphs); on a CPU the compute paths apply")
+        enable_compiled_decoding(lm.model, mode="reduce-overhead")
     report = run_benchmark(lm, prompts, config)
     report = {"command": command_line(args, config), "argv": sys.argv, **report}
+    report["machine"]["compiled_decoding"] = bool(args.compile)
     html_path = write_report(report, args.out)
     print(format_table(report["runs"]))
     profile = report["profile"]["mars"]["ms_per_pass"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 from pathlib import Path
 
@@ -141,11 +142,22 @@ def run(args: argparse.Namespace) -> int:
         if shared:
             raise UserError(f"{len(shared)} prompts of {args.val_data} are also in the training rows: validation needs held-out prompts")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
-    lm = load_model(args.base, block_size=config.block_size, device=args.device)
+    lm = load_model(args.base, block_size=config.block_size, device=args.device or launched_device())
     result = train(
         lm, examples, config, args.out, base_spec=args.base, data_path=f"{args.data}{span}",
         init_adapter=args.init_adapter, resume=args.resume,
         val_examples=val_examples, val_every=args.val_every, val_data=str(args.val_data or ""),
     )
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # accelerate launch: the main process reports
     _report(result, args.out)
     return 0
+
+
+def launched_device() -> str | None:
+    """Under ``accelerate launch`` on GPUs, this process's own GPU (LOCAL_RANK); else None (the default)."""
+    import torch
+
+    if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        return f"cuda:{os.environ['LOCAL_RANK']}"
+    return None

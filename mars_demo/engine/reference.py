@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from . import exact
 from .acceptance import accept_count, choose, confidence
 from .commit import EOS, commit_tokens
 from .decoding import capped_width
@@ -87,6 +88,8 @@ def reference_exact(
 
     while len(generated) < max_new_tokens:
         seq = prompt + generated
+        if tau >= 1.0:  # exact passes also draft by lookup (exact.pick_drafts)
+            drafts = exact.pick_drafts(seq, drafts, L)
         tokens, conf = candidates(seq + drafts + [mask_id] * L, 1 + len(drafts) + L)
         a = 0
         while a < len(drafts) and drafts[a] == tokens[a]:

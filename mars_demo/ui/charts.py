@@ -204,3 +204,59 @@ def frontier(points: Sequence[FrontierPoint]) -> go.Figure:
     fig = _style(fig, "Speed / quality frontier", height=400)
     fig.update_layout(margin={"t": 72})
     return fig
+
+
+# -- serving (the Serving tab and serve-sim's report): one line per policy, x = the replay's clock --------------
+SERVING_LAYOUT = {"template": "plotly_white", "height": 300, "margin": {"l": 50, "r": 10, "t": 40, "b": 40},
+                  "legend": {"orientation": "h", "y": -0.25}}
+
+
+def _serving_lines(curves: dict[str, tuple[list, list]], title: str, y_title: str, shape: str = "linear", markers=False) -> go.Figure:
+    fig = go.Figure([
+        go.Scatter(x=x, y=y, name=name, mode="lines+markers" if markers else "lines", line={"shape": shape})
+        for name, (x, y) in curves.items()
+    ])
+    fig.update_layout(title=title, xaxis_title="clock (s)", yaxis_title=y_title, **SERVING_LAYOUT)
+    return fig
+
+
+def tau_over_time(all_series: dict[str, dict]) -> go.Figure:
+    fig = _serving_lines({n: (s["clock"], s["tau"]) for n, s in all_series.items()}, "tau per pass", "tau", "hv")
+    fig.update_yaxes(range=[0, 1.05])
+    return fig
+
+
+def queue_over_time(all_series: dict[str, dict]) -> go.Figure:
+    return _serving_lines({n: (s["clock"], s["queue"]) for n, s in all_series.items()}, "Requests waiting", "queue", "hv")
+
+
+def rolling_throughput(series: dict, window: float) -> tuple[list[float], list[float]]:
+    """Tokens per second over the last ``window`` seconds of clock, at every iteration."""
+    clock, tokens = series["clock"], series["tokens"]
+    out, start, inside = [], 0, 0
+    for i, t in enumerate(clock):
+        inside += tokens[i]
+        while clock[start] <= t - window:
+            inside -= tokens[start]
+            start += 1
+        out.append(round(inside / window, 2))
+    return list(clock), out
+
+
+def throughput_over_time(all_series: dict[str, dict]) -> go.Figure:
+    span = max((s["clock"][-1] for s in all_series.values() if s["clock"]), default=1.0)
+    window = max(span / 20, 1.0)
+    fig = _serving_lines({n: rolling_throughput(s, window) for n, s in all_series.items()},
+                 f"Throughput (tokens/s over {window:.0f} s)", "tokens / s")
+    return fig
+
+
+def latency_over_time(all_series: dict[str, dict]) -> go.Figure:
+    return _serving_lines({n: (s["finished_at"], s["latency"]) for n, s in all_series.items()},
+                  "Latency of each finished request", "latency (s)", markers=True)
+
+
+def serving_figures(all_series: dict[str, dict]) -> list[go.Figure]:
+    """tau, queue, throughput and latency over time: the four charts of the report and of the app."""
+    return [tau_over_time(all_series), queue_over_time(all_series), throughput_over_time(all_series),
+            latency_over_time(all_series)]

@@ -57,6 +57,14 @@ class RaceTrace:
     def add(self, side: str, event: StepEvent) -> None:
         getattr(self, side).append(event)
 
+    def __getstate__(self) -> dict:
+        """Picklable (ZeroGPU pickles a GPU handler's arguments); the Event belongs to one process."""
+        return {k: v for k, v in self.__dict__.items() if k != "ended"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.ended = threading.Event()
+
     def steps(self, side: str) -> list[StepEvent] | None:
         """A snapshot of one side's events (None for an AR side that is switched off)."""
         if side == "ar" and not self.with_ar:

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from ..acceptance import accept_rows
 from ..decoding import LiveTau
+from ..placement import SeededGenerator
 from .events import BatchEvent
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
@@ -74,7 +75,7 @@ def block_passes(
     max_new_tokens = limit_new_tokens(model, prompts, max_new_tokens, 2 * B)
     ext, ext_attn = left_pad(prompts, pad_id)  # (R, W): what the next block-start pass adds to the cache
     offset = [len(ext[0]) - len(p) for p in prompts]  # left padding: position id = column - offset
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
+    generator = SeededGenerator(seed)  # on the logits' device (placement.py)
     book = RowBook(R, max_new_tokens, set(stop_ids))
     kv = PaddedCache(model, R)
     active = list(range(R))  # rows still decoding, in cache order
@@ -96,7 +97,9 @@ def block_passes(
         logits = kv.forward(window)  # (A, keep, vocab)
         kv.crop(window.drop)  # masks or re-fed slots: the prefix stays fixed while the block fills
         cached += kind == "extend"  # an extend pass's token stays in the cache
-        tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
+        tokens, confs = accept_rows(
+            logits, window.start, window.cap, tau_now, metric, temperature, generator.on(logits.device)
+        )
         steps = book.commit_all(active, tokens, confs)
         for r in active:
             block[r] += steps[r].token_ids

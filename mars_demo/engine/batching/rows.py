@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..commit import commit_tokens
 from ..decoding import RunStats, context_limit
+from ..placement import input_device
 from .events import BatchStats, RowStep
 
 
@@ -51,7 +52,7 @@ class PaddedCache:
     def __init__(self, model: PreTrainedModel, rows: int) -> None:
         self.model = model
         self.cache = DynamicCache(config=model.config)
-        self.attn = torch.zeros((rows, 0), dtype=torch.long, device=model.device)  # (rows, columns)
+        self.attn = torch.zeros((rows, 0), dtype=torch.long, device=input_device(model))  # (rows, columns)
 
     @property
     def length(self) -> int:
@@ -96,6 +97,30 @@ class PaddedCache:
             self.cache.crop(-columns)
             self.attn = self.attn[:, :-columns]
 
+    def merge(self, other: PaddedCache) -> None:
+        """Append ``other``'s rows below ours (continuous batching); the shorter side gets holes on the left.
+
+        A hole is a column with attention mask 0, so no row sees the other's columns and
+        each keeps its own position ids: a merged row decodes exactly as it would alone.
+        """
+        width = max(self.length, other.length)
+        layers = [(a, b) for a, b in zip(self.cache.layers, other.cache.layers)]
+        if any(getattr(a, "is_sliding", False) for a, _ in layers):
+            raise ValueError("continuous batching needs a full-attention cache (no sliding-window layers)")
+        for mine, theirs in layers:
+            mine.keys = torch.cat([_left_holes(mine.keys, width), _left_holes(theirs.keys, width)], dim=0)
+            mine.values = torch.cat([_left_holes(mine.values, width), _left_holes(theirs.values, width)], dim=0)
+        self.attn = torch.cat([_left_holes(self.attn, width), _left_holes(other.attn, width)], dim=0)
+
+    def trim(self) -> None:
+        """Drop the leading columns that are holes in every row (left behind by rows that left)."""
+        used = self.attn.any(dim=0)  # (columns,)
+        first = int(used.int().argmax()) if bool(used.any()) else 0
+        if first:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.attn = self.attn[:, first:]
+
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows leave the batch, so they stop costing compute)."""
         index = torch.tensor(rows, device=self.attn.device)
@@ -108,6 +133,17 @@ class PaddedCache:
         if still and len(still) < len(active):
             self.keep_rows(still)
         return [active[i] for i in still]
+
+
+def _left_holes(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad the column axis (dim -2 of keys / values (rows, heads, columns, dim); dim 1 of a mask) to ``width``."""
+    axis = 1 if t.dim() == 2 else 2
+    missing = width - t.shape[axis]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[axis] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=axis)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
@@ -136,6 +172,7 @@ class RowBook:
 
     def __init__(self, rows: int, max_new_tokens: int, stop_ids: set[int]) -> None:
         self.max_new_tokens = max_new_tokens
+        self.limits = [max_new_tokens] * rows  # per row: rows that join later bring their own
         self.stop_ids = stop_ids
         self.produced = [0] * rows
         self.finish: list[str | None] = [None] * rows
@@ -149,7 +186,7 @@ class RowBook:
         return self.finish[r] is None
 
     def room(self, r: int) -> int:
-        return self.max_new_tokens - self.produced[r] if self.live(r) else 0
+        return self.limits[r] - self.produced[r] if self.live(r) else 0
 
     def commit(self, r: int, tokens: list[int], confs: list[float]) -> RowStep:
         """Record what one pass accepted for row r, cut at its first stop token or its token limit."""
@@ -161,6 +198,13 @@ class RowBook:
         self.produced[r] += len(tokens)
         self.finish[r] = finish
         return RowStep(tuple(tokens), tuple(confs[: len(tokens)]), finish)
+
+    def extend(self, other: RowBook, rows: list[int]) -> int:
+        """Take over ``other``'s ``rows`` (a batch that joins this one); returns the first new index."""
+        first = len(self.produced)
+        for name in ("produced", "finish", "passes", "seconds", "limits"):
+            getattr(self, name).extend(getattr(other, name)[r] for r in rows)
+        return first
 
     def commit_all(self, active: list[int], tokens: list[list[int]], confs: list[list[float]]) -> list[RowStep]:
         """One step per row of the batch: the active rows' accepted tokens, empty steps for the rest."""

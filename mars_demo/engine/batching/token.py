@@ -26,6 +26,7 @@ from .. import exact
 from ..acceptance import accept_rows
 from ..config import EXACT_IS_GREEDY
 from ..decoding import LiveTau
+from ..placement import SeededGenerator
 from .events import BatchEvent, RowStep
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
@@ -102,41 +103,110 @@ def token_passes(
 
     ``verifying``: exact / hybrid mode (decoding.decode_passes); every row verifies its own drafts.
     """
-    if verifying and temperature > 0:
-        raise ValueError(EXACT_IS_GREEDY)
-    B, R = block_size, len(prompts)
-    max_new_tokens = limit_new_tokens(model, prompts, max_new_tokens, 2 * B if verifying else B)
-    generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
-    book = RowBook(R, max_new_tokens, set(stop_ids))
-    kv = PaddedCache(model, R)
-    active = list(range(R))  # rows still decoding, in cache order
-    pending = [list(p) for p in prompts]  # fed next pass: the prompt first, then the tokens accepted last pass
-    next_pos = [0] * R  # position id of each row's next real token
-    drafts: list[list[int]] = [[] for _ in range(R)]  # verifying: each row's guesses for the tokens after its pending ones
+    generator = SeededGenerator(seed)  # on the logits' device (placement.py)
+    batch = TokenBatch(
+        model, prompts, block_size=block_size, mask_id=mask_id, pad_id=pad_id, metric=metric,
+        temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids, generator=generator,
+        verifying=verifying,
+    )
     index = 0
     while True:
         tau_now = tau.get()
         started = time.perf_counter()
-        if verifying:
-            steps, fed = _verify_pass(kv, book, active, pending, drafts, next_pos, B - 1, mask_id, pad_id, tau_now, metric)
-        else:
-            width = 1 if tau_now >= 1.0 else B  # at tau = 1.0 only candidate 1 can pass: no masks
-            window = slide([pending[r] for r in active], [next_pos[r] for r in active], [book.room(r) for r in active], width, mask_id, pad_id)
-            logits = kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
-            kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
-            tokens, confs = accept_rows(logits, window.start, window.cap, tau_now, metric, temperature, generator)
-            steps, fed = book.commit_all(active, tokens, confs), window.width
-            for r in active:
-                next_pos[r] += len(pending[r])
-                pending[r] = list(steps[r].token_ids)
-        active = kv.drop_finished(book, active)
+        steps, fed = batch.step(tau_now)
         seconds = time.perf_counter() - started
-        book.end_pass(seconds)
-        stats = book.stats() if not active else None
+        batch.book.end_pass(seconds)
+        stats = batch.book.stats() if not batch.active else None
         yield BatchEvent(index, tuple(steps), tau_now, seconds, "prefill" if index == 0 else "window", fed, stats)
         if stats:
             return
         index += 1
+
+
+class TokenBatch:
+    """The token-level batch between two passes: its cache, its book, and what each row feeds next.
+
+    Rows are the book's indices; ``active`` lists the live ones in cache order. ``step`` runs
+    one pass for every active row. ``join`` merges another batch's rows (prompts prefilled by
+    that batch's own first pass) into this one, and ``end`` takes a row out: the serving loop
+    (serving.py) admits and releases rows between passes with these, token_passes only steps.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, block_size: int, mask_id: int, pad_id: int,
+        metric: str = "probability", temperature: float = 0.0, max_new_tokens: int = 256,
+        stop_ids: set[int] = frozenset(), generator: SeededGenerator | None = None, verifying: bool = False,
+    ) -> None:
+        if verifying and temperature > 0:
+            raise ValueError(EXACT_IS_GREEDY)
+        self.B, self.mask_id, self.pad_id, self.metric = block_size, mask_id, pad_id, metric
+        self.temperature, self.verifying = temperature, verifying
+        self.generator = generator or SeededGenerator(None)
+        limit = limit_new_tokens(model, prompts, max_new_tokens, 2 * block_size if verifying else block_size)
+        self.book = RowBook(len(prompts), limit, set(stop_ids))
+        self.kv = PaddedCache(model, len(prompts))
+        self.active = list(range(len(prompts)))  # rows still decoding, in cache order
+        self.pending = [list(p) for p in prompts]  # fed next pass: the prompt first, then the tokens accepted last pass
+        self.next_pos = [0] * len(prompts)  # position id of each row's next real token
+        self.drafts: list[list[int]] = [[] for _ in prompts]  # verifying: each row's guesses for the tokens after its pending ones
+        self.history = [list(p) for p in prompts]  # verifying: each row's committed tokens, where exact passes look up drafts
+
+    @torch.inference_mode()
+    def step(self, tau: float) -> tuple[list[RowStep], int]:
+        """One forward pass for every active row; (a step per book row, columns fed). Finished rows leave."""
+        if self.verifying:
+            if tau >= 1.0:  # exact passes also draft by lookup, as decode_passes does
+                for r in self.active:
+                    self.drafts[r] = exact.pick_drafts(self.history[r], self.drafts[r], self.B - 1)
+            steps, fed = _verify_pass(
+                self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, self.B - 1, self.mask_id,
+                self.pad_id, tau, self.metric,
+            )
+            for r in self.active:
+                self.history[r] += steps[r].token_ids
+        else:
+            steps, fed = self._window_pass(tau)
+        self.active = self.kv.drop_finished(self.book, self.active)
+        return steps, fed
+
+    def _window_pass(self, tau: float) -> tuple[list[RowStep], int]:
+        active, book = self.active, self.book
+        width = 1 if tau >= 1.0 else self.B  # at tau = 1.0 only candidate 1 can pass: no masks
+        window = slide([self.pending[r] for r in active], [self.next_pos[r] for r in active],
+                       [book.room(r) for r in active], width, self.mask_id, self.pad_id)
+        logits = self.kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
+        self.kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
+        tokens, confs = accept_rows(
+            logits, window.start, window.cap, tau, self.metric, self.temperature, self.generator.on(logits.device)
+        )
+        steps = book.commit_all(active, tokens, confs)
+        for r in active:
+            self.next_pos[r] += len(self.pending[r])
+            self.pending[r] = list(steps[r].token_ids)
+        return steps, window.width
+
+    @torch.inference_mode()
+    def join(self, other: TokenBatch) -> list[int]:
+        """Merge ``other``'s live rows into this batch (its cache rows below ours); their new book indices."""
+        live = other.active
+        if not live:
+            return []
+        first = self.book.extend(other.book, live)
+        rows = list(range(first, first + len(live)))
+        for name in ("pending", "next_pos", "drafts", "history"):
+            getattr(self, name).extend(getattr(other, name)[r] for r in live)
+        if self.active:
+            self.kv.merge(other.kv)
+        else:
+            self.kv = other.kv
+        self.active += rows
+        return rows
+
+    def end(self, row: int, reason: str) -> None:
+        """Take a live row out of the batch now (a stopped request); it stays finished with ``reason``."""
+        if self.book.live(row):
+            self.book.finish[row] = reason
+            self.active = self.kv.drop_finished(self.book, self.active)
 
 
 def _verify_pass(

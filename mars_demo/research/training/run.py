@@ -25,7 +25,8 @@ from .checkpoints import (
 from .config import TrainConfig, describe
 from .layout import Example, collate, examples_digest, micro_batches
 from .logs import LOSS_LOG, VAL_LOG, StepLog, plot_losses, read_history, write_history
-from .loss import cuda_autocast, mars_loss
+from .loss import cuda_autocast
+from .parallel import MarsObjective, make_accelerator, shard
 from .validation import Validation, validate
 
 logger = logging.getLogger(__name__)
@@ -44,11 +45,12 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup: 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def total_steps(n_examples: int, config: TrainConfig) -> int:
+def total_steps(n_examples: int, config: TrainConfig, processes: int = 1) -> int:
+    """Optimizer steps of a run; each takes ``grad_accum`` micro-batches on each of ``processes``."""
     if config.max_steps is not None:
         return config.max_steps
     per_epoch = math.ceil(n_examples / config.batch_size)
-    return max(1, math.ceil(config.epochs * per_epoch / config.grad_accum))
+    return max(1, math.ceil(config.epochs * per_epoch / (config.grad_accum * processes)))
 
 
 def hardware(device: torch.device) -> str:
@@ -108,7 +110,11 @@ def start_or_resume(out_dir: Path, config: TrainConfig, source: Source, resume: 
 
 @dataclass
 class Run:
-    """One training run's live state: the model and its optimizer, the step, and the logs so far."""
+    """One training run's live state: the model and its optimizer, the step, and the logs so far.
+
+    ``accelerator`` (parallel.py) runs ``objective``, the loss around ``model``: one process, or
+    one of several under ``accelerate launch``; only the main process writes files.
+    """
 
     lm: object  # the LoadedModel of the base
     config: TrainConfig
@@ -118,6 +124,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: object
     steps: int
+    accelerator: object
+    objective: torch.nn.Module
     step: int = 0
     seconds: float = 0.0
     history: list[StepLog] = field(default_factory=list)
@@ -126,28 +134,43 @@ class Run:
     @classmethod
     def open(cls, lm, config: TrainConfig, source: Source, out_dir: Path, saved: dict | None, init_adapter) -> Run:
         """Wrap the model, build optimizer and schedule, restore a checkpoint, and reload the logs up to its step."""
+        accelerator = make_accelerator(lm.model.device)
         torch.manual_seed(config.seed)
-        model = attach_lora(lm.model.float(), config, lm.meta.mask_token_id, init_adapter)
+        model = attach_lora(lm.model.float().to(accelerator.device), config, lm.meta.mask_token_id, init_adapter)
         model.train()
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
         )
-        steps = total_steps(len(source.examples), config)
-        run = cls(lm, config, source, out_dir, model, optimizer, cosine_schedule(optimizer, steps, config.warmup), steps)
+        steps = total_steps(len(source.examples), config, accelerator.num_processes)
+        scheduler = cosine_schedule(optimizer, steps, config.warmup)  # one step per optimizer step: not prepared
+        objective, optimizer = accelerator.prepare(MarsObjective(model, config.ar_weight), optimizer)
+        run = cls(lm, config, source, out_dir, model, optimizer, scheduler, steps, accelerator, objective)
         if saved is not None:
+            if saved.get("processes", 1) != accelerator.num_processes:  # the stream's offset counts them
+                raise ValueError(f"this checkpoint was written by {saved.get('processes', 1)} processes: "
+                                 "resume with as many")
             load_trainable_state(model, saved["trainable"])
             optimizer.load_state_dict(saved["optimizer"])
             run.scheduler.load_state_dict(saved["scheduler"])
             set_rng_state(saved["rng"])
             run.step, run.seconds = saved["step"], saved["seconds"]
         run.history = read_history(out_dir / LOSS_LOG, run.step)
-        write_history(out_dir / LOSS_LOG, run.history)  # drops steps logged after the checkpoint
         run.val_history = read_history(out_dir / VAL_LOG, run.step, Validation)
-        if (out_dir / VAL_LOG).is_file():
-            write_history(out_dir / VAL_LOG, run.val_history)
+        if run.main:
+            write_history(out_dir / LOSS_LOG, run.history)  # drops steps logged after the checkpoint
+            if (out_dir / VAL_LOG).is_file():
+                write_history(out_dir / VAL_LOG, run.val_history)
         logger.info("training %d of %d parameters for %d steps on %d examples", run.trainable_parameters,
                     sum(p.numel() for p in model.parameters()), steps, len(source.examples))
         return run
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def processes(self) -> int:
+        return self.accelerator.num_processes
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -163,10 +186,12 @@ class Run:
         return {
             "step": self.step, "seconds": self.seconds, "config": asdict(self.config), "examples": len(src.examples),
             "digest": examples_digest(src.examples), "base": src.base_spec, "data": src.data_path,
-            "init_adapter": src.started_from,
+            "init_adapter": src.started_from, "processes": self.processes,
         }
 
     def checkpoint(self) -> None:
+        if not self.main:
+            return
         save_checkpoint(self.out_dir / CHECKPOINT, self.model, self.optimizer, self.scheduler, self.payload())
         save_model(self.model, self.lm, self.out_dir, self.source.base_spec, self.config.block_size)
         if self.history:
@@ -175,7 +200,7 @@ class Run:
     def measure(self) -> None:
         """The held-out figures at this step (once per step), appended to val.jsonl."""
         val = self.source.val_examples
-        if not val or any(v.step == self.step for v in self.val_history):
+        if not self.main or not val or any(v.step == self.step for v in self.val_history):
             return
         meta = self.lm.meta
         result, = validate(self.model, val, meta.mask_token_id, pad_id(self.lm.tokenizer), self.config.block_size,
@@ -187,7 +212,7 @@ class Run:
 
     def train_step(self, batches) -> StepLog:
         """One optimizer step over ``grad_accum`` micro-batches; one host sync; logged to loss.jsonl."""
-        config, device = self.config, self.lm.model.device
+        config, device = self.config, self.accelerator.device
         started = torch_time()
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(3, device=device)
@@ -195,20 +220,21 @@ class Run:
             batch = collate([self.source.examples[i] for i in next(batches)], self.lm.meta.mask_token_id,
                             pad_id(self.lm.tokenizer), config.block_size, noisy=config.objective == "mars")
             with cuda_autocast(device):
-                loss, noisy_loss, ar_loss = mars_loss(self.model, batch.to(device), config.ar_weight)
-            (loss / config.grad_accum).backward()
-            sums += torch.stack([loss, noisy_loss, ar_loss]).detach().float() / config.grad_accum
-        torch.nn.utils.clip_grad_norm_(self.params, config.clip)
+                losses = self.objective(batch.to(device))  # (loss, noisy_loss, ar_loss)
+            self.accelerator.backward(losses[0] / config.grad_accum)
+            sums += losses.detach().float() / config.grad_accum
+        self.accelerator.clip_grad_norm_(self.params, config.clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         self.seconds += torch_time() - started
-        total, noisy, ar = sums.tolist()  # the one host sync per step
+        total, noisy, ar = self.accelerator.gather(sums[None]).mean(dim=0).tolist()  # every process's; one sync
         log = StepLog(self.step, round(total, 5), round(noisy, 5), round(ar, 5), lr, round(self.seconds, 2))
         self.history.append(log)
-        with open(self.out_dir / LOSS_LOG, "a") as sink:
-            sink.write(json.dumps(asdict(log)) + "\n")
+        if self.main:
+            with open(self.out_dir / LOSS_LOG, "a") as sink:
+                sink.write(json.dumps(asdict(log)) + "\n")
         return log
 
     def summary(self) -> dict:
@@ -216,9 +242,9 @@ class Run:
         config, src, meta = self.config, self.source, self.lm.meta
         summary = describe(config) | {
             "data": src.data_path, "init_adapter": src.started_from, "examples": len(src.examples), "steps": self.step,
-            "epochs": round(self.step * config.grad_accum * config.batch_size / len(src.examples), 3),
+            "epochs": round(self.step * config.grad_accum * config.batch_size * self.processes / len(src.examples), 3),
             "wall_seconds": round(self.seconds, 1), "seconds_per_step": round(self.seconds / max(self.step, 1), 3),
-            "hardware": hardware(self.lm.model.device), "base": src.base_spec, "mask_token": meta.mask_token,
+            "hardware": self.hardware(), "base": src.base_spec, "mask_token": meta.mask_token,
             "mask_token_id": meta.mask_token_id, "trainable_parameters": self.trainable_parameters,
             "final_loss": _tail_mean(self.history, "loss"), "final_noisy_loss": _tail_mean(self.history, "noisy_loss"),
             "final_ar_loss": _tail_mean(self.history, "ar_loss"),
@@ -234,6 +260,10 @@ class Run:
             summary |= {"val_data": src.val_data, "val_examples": len(src.val_examples),
                         "validation": asdict(self.val_history[-1])}
         return summary
+
+    def hardware(self) -> str:
+        one = hardware(self.accelerator.device)
+        return one if self.processes == 1 else f"{self.processes} processes x {one}"
 
     def result(self) -> TrainResult:
         return TrainResult(self.model, self.history, self.val_history, self.step, self.steps, self.seconds)
@@ -276,10 +306,11 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     run = Run.open(lm, config, source, out_dir, saved, init_adapter)
     lengths = [len(ex) for ex in source.examples]
-    batches = micro_batches(lengths, config.batch_size, config.seed, start=run.step * config.grad_accum)
+    start = run.step * config.grad_accum * run.processes
+    batches = shard(micro_batches(lengths, config.batch_size, config.seed, start=start), run.accelerator)
     if run.step == 0:
         run.measure()  # the starting point
-    bar = tqdm(total=run.steps, initial=run.step, desc="train", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=run.steps, initial=run.step, desc="train", disable=not (progress and run.main), dynamic_ncols=True)
     try:
         while run.step < run.steps and (stop_after is None or run.step < stop_after):
             log = run.train_step(batches)
@@ -296,6 +327,6 @@ def train(
         raise
     finally:
         bar.close()
-    if run.step == run.steps:
+    if run.step == run.steps and run.main:
         (out_dir / "training.json").write_text(json.dumps(run.summary(), indent=2) + "\n")
     return run.result()

@@ -1,0 +1,118 @@
+"""``serve-sim``: replay seeded arrivals through the serving loop under several tau policies.
+
+Every policy serves the same requests in this process, on a simulated clock driven by
+the measured pass times (mars_demo/research/serve_sim.py says exactly how). Prints the totals
+and writes serve-sim.json and a self-contained serve-sim.html (one curve per policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..cli import UserError, add_model_argument, add_precision_argument
+from ..engine.config import VERIFYING_MODES
+from ..engine.loading import BUNDLED_BASE, default_precision, load_model
+from ..engine.prompts import prompt_ids
+from ..engine.replay import ARRIVALS, LIMITS, SimConfig
+from ..engine.serving import DEFAULT_LADDER, POLICY_HELP, split_policies
+from ..research.data import read_prompts
+from ..research.serve_sim import CLOCKS, batch_pass_costs, model_cost, simulate
+
+HELP = "simulate serving: seeded arrivals, continuous batching, tau policies compared (latency, throughput, quality)"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_varied32.json"
+MAX_TIME_LIMIT = 3600
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_argument(parser)
+    parser.add_argument("--rate", type=float, required=True, help="mean arrivals per second (above 0)")
+    parser.add_argument("--requests", type=int, default=40, help=f"requests per policy (1 to {LIMITS['requests'][1]})")
+    parser.add_argument("--policies", default="fixed:1.0,fixed:0.9,adaptive",
+                        help=f"comma-separated: {POLICY_HELP}; adaptive = {DEFAULT_LADDER} (requests waiting, tau)")
+    parser.add_argument("--arrivals", choices=ARRIVALS, default="poisson", help="poisson, or bursts of 8 at the same mean rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-batch", type=int, default=8, help="most rows decoding at once")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--mode", choices=("mars", "hybrid", "exact"), default="mars")
+    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt pool: JSON list or one per line")
+    parser.add_argument("--base", default=BUNDLED_BASE, help="model whose NLL scores the outputs (dNLL)")
+    parser.add_argument("--no-quality", action="store_true", help="skip dNLL and agreement (no base model load)")
+    parser.add_argument("--time-limit", type=float, default=600, help=f"wall seconds per policy (at most {MAX_TIME_LIMIT})")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="measured",
+                        help="measured: the clock advances by measured pass times; tokens-fed / width-free: "
+                        "deterministic cost models on the compute path's measured curve, a CPU's shape (a pass costs "
+                        "its rows x width tokens) and a GPU's (a pass costs its rows, whatever its width)")
+    parser.add_argument("--pass-costs", action="store_true", help="also measure ms per pass at rows 1,2,4,8 x width 1-5")
+    parser.add_argument("--out", type=Path, default=Path("runs/serve-sim"), help="folder for serve-sim.json and .html")
+    add_precision_argument(parser)
+
+
+def parse_config(args: argparse.Namespace) -> SimConfig:
+    policies = tuple(split_policies(args.policies))
+    if not 0 < args.time_limit <= MAX_TIME_LIMIT:
+        raise UserError(f"--time-limit must be above 0 and at most {MAX_TIME_LIMIT} seconds, got {args.time_limit:g}")
+    try:
+        return SimConfig(
+            rate=args.rate, requests=args.requests, policies=policies, arrivals=args.arrivals, seed=args.seed,
+            max_batch=args.max_batch, max_new_tokens=args.max_new_tokens, mode=args.mode,
+        )
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def command_line(args: argparse.Namespace) -> str:
+    parts = ["python", "-m", "mars_demo", "serve-sim", "--model", args.model, "--rate", f"{args.rate:g}",
+             "--requests", str(args.requests), "--policies", args.policies, "--arrivals", args.arrivals,
+             "--seed", str(args.seed), "--max-batch", str(args.max_batch), "--max-new-tokens", str(args.max_new_tokens),
+             "--mode", args.mode, "--clock", args.clock, "--out", str(args.out)]
+    if args.precision:
+        parts += ["--precision", args.precision]
+    return shlex.join(parts + (["--pass-costs"] if args.pass_costs else []) + (["--no-quality"] if args.no_quality else []))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..research.bench import machine
+    from ..research.serve_report import format_totals, write_report  # plotly: only this command needs it
+    from ..ui.charts import serving_figures
+
+    config = parse_config(args)  # every value checked before the model loads
+    if not args.prompts.is_file():
+        raise UserError(f"prompts file not found: {args.prompts}")
+    lm = load_model(args.model, precision=args.precision or default_precision())
+    pool = [prompt_ids(lm.tokenizer, p) for p in read_prompts(args.prompts) if p.strip()]
+    if not pool:
+        raise UserError(f"no prompts in {args.prompts}")
+    base = None if args.no_quality else (lm.model if args.base == args.model else load_model(args.base).model)
+    compute = getattr(lm.model, "mars_compute", None)
+    curve = {int(k): v for k, v in (compute.costs_ms if compute is not None else {}).items()}
+    if args.clock != "measured" and len(curve) < 2:
+        raise UserError(f"--clock {args.clock} needs a measured CPU compute path: pass --precision on a CPU")
+    pass_cost = model_cost(curve, args.clock) if args.clock != "measured" else None
+    bar = tqdm(total=config.requests * len(config.policies), desc="serve-sim", unit="request")
+    result = simulate(lm, config, pool, base=base, deadline=args.time_limit, pass_cost=pass_cost,
+                      on_event=lambda name, event: bar.update(len(event.ended)))
+    bar.close()
+    verifying = config.mode in VERIFYING_MODES
+    report = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(args), "argv": sys.argv, "model": lm.name, "machine": machine(lm.model),
+        "clock": CLOCKS[args.clock], "curve_ms": curve or None,
+        "settings": {**vars(config), "policies": list(config.policies), "block_size": lm.meta.block_size,
+                     "prompts": str(args.prompts), "pool": len(pool), "base": None if base is None else args.base,
+                     "adaptive": DEFAULT_LADDER, "time_limit_s": args.time_limit, "verifying": verifying,
+                     "clock": args.clock},
+        **result,
+    }
+    if args.pass_costs:
+        report["pass_costs"] = batch_pass_costs(lm.model, (1, 2, 4, 8), (1, 2, 3, 4, 5))
+    figures = serving_figures({p["summary"]["policy"]: p["series"] for p in report["policies"]})
+    json_path, html_path = write_report(report, args.out, figures)
+    print(format_totals([p["summary"] for p in report["policies"]]))
+    print(f"\nwrote {json_path} and {html_path}")
+    return 0

@@ -1,0 +1,401 @@
+"""Serving: continuous batching on the token-level batch decoder, with tau set per pass from the load.
+
+Requests wait in a queue. Between two passes the loop admits the oldest waiting ones, up
+to ``max_batch`` running rows: their prompts are prefilled by one pass of their own
+(batching.token.TokenBatch) and merged into the running batch's cache (PaddedCache.merge,
+holes on the left), so a row that joins decodes exactly as it would alone. Then one pass
+decodes every running row; a row that finishes leaves the batch at once.
+
+Before every iteration a **tau policy** reads the load (``Load``: queue depth, running
+rows, recent latency, the oldest request's wait) and sets the tau of the next passes: the
+paper's serving claim, a lower tau when requests pile up, with no model swap. Policies:
+  fixed:T           tau = T always (fixed:1.0 is batched greedy AR: no masks are fed).
+  ladder:Q=T,...    queue-depth ladder: the tau of the highest step Q <= requests waiting.
+  latency:S         latency target: one level down (LEVELS) while the recent latency or the
+                    oldest wait exceeds S seconds, one level up once both are below S / 2.
+  adaptive          the default, ``DEFAULT_LADDER``: tau 1.0 while nobody waits, then
+                    0.95 from 1 waiting, 0.9 from 4, 0.8 from 8, 0.7 from 16.
+Rows decode in one mode for the whole loop: "mars" (tau from the policy), "hybrid" (the
+same, unaccepted guesses verified) or "exact" (tau fixed at 1.0: lossless; the policy is not
+consulted). Every request ends exactly once, "done" (eos or length),
+"stopped" or "error", with its tokens and its trace: per pass, the tau it was decoded at,
+the tokens accepted and the clock.
+
+The loop keeps its own clock. By default it advances by the measured seconds of each
+pass; ``pass_cost(rows, width, kind, measured)`` replaces them with a cost model (seconds;
+kind is "prefill" or "decode"), which makes a replay deterministic (tests) or projects it
+onto other hardware (research/serve_sim.model_cost). Arrivals are read off that clock, so a
+simulated replay needs no sleeps.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from .batching.token import TokenBatch
+from .config import MODES, VERIFYING_MODES, check_tau
+from .decoding import context_limit
+
+LEVELS = (1.0, 0.95, 0.9, 0.8, 0.7)  # the latency policy's steps
+DEFAULT_LADDER = ((0, 1.0), (1, 0.95), (4, 0.9), (8, 0.8), (16, 0.7))  # (requests waiting, tau)
+RECENT = 8  # recent latency: mean over this many latest finished requests
+ENDINGS = ("done", "stopped", "error")
+
+
+@dataclass(frozen=True)
+class Load:
+    """What a policy sees before a pass (times in seconds on the loop's clock)."""
+
+    queue: int  # requests waiting
+    running: int  # rows in the batch
+    max_batch: int
+    recent_latency: float | None  # mean latency of the last RECENT finished requests (None before any)
+    oldest_wait: float  # how long the oldest waiting request has waited (0 when none waits)
+
+
+class Fixed:
+    def __init__(self, tau: float) -> None:
+        self.tau = check_tau(tau)
+        self.name = f"fixed:{self.tau:g}"
+
+    def __call__(self, load: Load) -> float:
+        return self.tau
+
+
+class Ladder:
+    """tau of the highest step whose queue depth the waiting requests reach."""
+
+    def __init__(self, steps: Sequence[tuple[int, float]] = DEFAULT_LADDER, name: str | None = None) -> None:
+        if not steps or any(int(q) != q or q < 0 for q, _ in steps):
+            raise ValueError("ladder steps need queue depths that are integers of at least 0")
+        self.steps = tuple(sorted((int(q), check_tau(t)) for q, t in steps))
+        if self.steps[0][0] != 0:
+            self.steps = ((0, 1.0), *self.steps)
+        self.name = name or "ladder:" + ",".join(f"{q}={t:g}" for q, t in self.steps)
+
+    def __call__(self, load: Load) -> float:
+        return [t for q, t in self.steps if load.queue >= q][-1]
+
+
+class LatencyTarget:
+    """Steps tau down LEVELS while latency is over ``target`` s, up once it is under target / 2 (stateful)."""
+
+    def __init__(self, target: float, levels: Sequence[float] = LEVELS) -> None:
+        if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
+            raise ValueError(f"the latency target must be a positive number of seconds, got {target}")
+        self.target, self.levels = float(target), tuple(check_tau(t) for t in levels)
+        self.level = 0
+        self.name = f"latency:{self.target:g}"
+
+    def __call__(self, load: Load) -> float:
+        signal = max(load.recent_latency or 0.0, load.oldest_wait)
+        if signal > self.target:
+            self.level = min(self.level + 1, len(self.levels) - 1)
+        elif signal < self.target / 2:
+            self.level = max(self.level - 1, 0)
+        return self.levels[self.level]
+
+
+Policy = Callable[[Load], float]
+PassCost = Callable[[int, int, str, float], float]  # (rows, columns per row, "prefill" | "decode", measured s) -> s
+POLICY_HELP = "fixed:T (0 <= T <= 1), ladder[:Q=T,...], latency:SECONDS, adaptive (= the default ladder)"
+
+
+def split_policies(text: str) -> list[str]:
+    """Comma-separated policy specs; a ladder's own "Q=T" steps stay with it ("fixed:1,ladder:0=1,4=0.9")."""
+    specs: list[str] = []
+    for part in (p.strip() for p in (text or "").split(",")):
+        if specs and specs[-1].startswith("ladder:") and re.fullmatch(r"\d+\s*=.*", part):
+            specs[-1] += "," + part
+        elif part:
+            specs.append(part)
+    return specs
+
+
+def parse_policy(text: str) -> Policy:
+    """One policy from its spec (POLICY_HELP); a ValueError with one line for anything else."""
+    name, _, arg = text.strip().partition(":")
+    try:
+        if name == "fixed" and arg:
+            return Fixed(float(arg))
+        if name == "adaptive" and not arg:
+            return Ladder(DEFAULT_LADDER, name="adaptive")
+        if name == "ladder":
+            steps = [part.split("=") for part in arg.split(",")] if arg else DEFAULT_LADDER
+            return Ladder([(int(q), float(t)) for q, t in steps])
+        if name == "latency" and arg:
+            return LatencyTarget(float(arg))
+    except ValueError as err:
+        raise ValueError(f"bad policy {text!r}: {err}") from None
+    raise ValueError(f"unknown policy {text!r}; expected {POLICY_HELP}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt (token ids) and when it arrives on the loop's clock."""
+
+    id: int
+    prompt: tuple[int, ...]
+    arrival: float = 0.0
+
+
+@dataclass(frozen=True)
+class PassStep:
+    """What one pass did for one request."""
+
+    index: int  # the loop's pass index
+    kind: str  # "prefill" (its first pass) or "decode"
+    tau: float
+    tokens: tuple[int, ...]
+    clock: float  # the loop's clock when the pass ended
+
+
+@dataclass
+class Served:
+    """One request's whole story; ``status`` ends in ENDINGS exactly once."""
+
+    request: Request
+    status: str = "waiting"  # waiting, running, done, stopped, error
+    reason: str | None = None  # done: "eos" or "length"; error: the message
+    token_ids: list[int] = field(default_factory=list)
+    trace: list[PassStep] = field(default_factory=list)
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDINGS
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished is None else self.finished - self.request.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.request.arrival
+
+
+@dataclass(frozen=True)
+class LoopEvent:
+    """One iteration of the loop: admissions (with their prefill pass) and one decoding pass."""
+
+    index: int
+    clock: float  # after the iteration
+    tau: float
+    queue: int  # requests waiting after admission
+    running: int  # rows in the decoding pass
+    width: int  # columns the decoding pass fed per row (0: no pass)
+    seconds: float  # clock time the iteration charged (prefill + pass)
+    tokens: int  # tokens accepted, all requests, prefill included
+    admitted: tuple[int, ...] = ()
+    ended: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the loop decodes: one mode for every row; ``max_batch`` bounds the running rows."""
+
+    mode: str = "mars"
+    max_batch: int = 8
+    max_new_tokens: int = 128
+    block_size: int = 4
+    metric: str = "probability"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES or self.mode == "ar":
+            raise ValueError(f"serving mode must be one of mars, hybrid, exact (AR is fixed:1.0), got {self.mode!r}")
+        for name in ("max_batch", "max_new_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name.replace('_', ' ')} must be an integer of at least 1, got {value!r}")
+
+
+class ServingLoop:
+    """Continuous batching over one model (see the module docstring); ``run`` replays a list of requests."""
+
+    def __init__(
+        self, model: PreTrainedModel, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
+        policy: Policy, pass_cost: PassCost | None = None,
+    ) -> None:
+        self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
+        self.config, self.policy, self.pass_cost = config, policy, pass_cost
+        self.clock = 0.0
+        self.served: dict[int, Served] = {}
+        self.queue: deque[int] = deque()
+        self.batch: TokenBatch | None = None
+        self.rows: dict[int, int] = {}  # batch book row -> request id
+        self.finished: list[float] = []  # latencies, in finishing order
+        self.passes = 0
+
+    # -- requests in and out ------------------------------------------------------------------
+    def submit(self, request: Request) -> Served:
+        """Queue a request (its arrival is due); a prompt the model cannot take ends at once with an error."""
+        if request.id in self.served:
+            raise ValueError(f"request {request.id} was already submitted")
+        served = self.served[request.id] = Served(request)
+        room = context_limit(self.model) - len(request.prompt) - 2 * self.config.block_size
+        if not request.prompt or room < 1:
+            why = "the prompt is empty" if not request.prompt else f"the prompt is {len(request.prompt)} tokens: too long"
+            self._end(served, "error", why)
+        else:
+            self.queue.append(request.id)
+        return served
+
+    def stop(self, request_id: int) -> None:
+        """End one request now, waiting or running ("stopped"); nothing if it has ended."""
+        served = self.served[request_id]
+        if served.ended:
+            return
+        if served.status == "waiting":
+            self.queue.remove(request_id)
+        else:
+            row = next(r for r, i in self.rows.items() if i == request_id)
+            self.batch.end(row, "stopped")
+            del self.rows[row]
+        self._end(served, "stopped", None)
+
+    def stop_all(self) -> None:
+        for request_id in [*self.queue, *self.rows.values()]:
+            self.stop(request_id)
+
+    def _end(self, served: Served, status: str, reason: str | None) -> None:
+        if served.ended:  # the accounting invariant: never reached, and loud if it ever is
+            raise RuntimeError(f"request {served.request.id} ended twice")
+        served.status, served.reason, served.finished = status, reason, self.clock
+        if status == "done":
+            self.finished.append(served.latency)
+
+    # -- one iteration -----------------------------------------------------------------------
+    def load(self, admitting: int = 0) -> Load:
+        recent = self.finished[-RECENT:]
+        oldest = self.clock - self.served[self.queue[0]].request.arrival if self.queue else 0.0
+        return Load(len(self.queue), len(self.rows) + admitting, self.config.max_batch,
+                    sum(recent) / len(recent) if recent else None, max(oldest, 0.0))
+
+    def step(self) -> LoopEvent:
+        """Admit what fits, pick tau from the load that remains, prefill the newcomers, then one decoding pass."""
+        take = max(min(len(self.queue), self.config.max_batch - len(self.rows)), 0)
+        admitted = [self.queue.popleft() for _ in range(take)]
+        load = self.load(len(admitted))
+        tau = 1.0 if self.config.mode == "exact" else check_tau(self.policy(load))
+        index, started_clock = self.passes, self.clock
+        if admitted:
+            self._admit(admitted, tau)
+        tokens = sum(len(self.served[i].token_ids) for i in admitted)
+        ended = [i for i in admitted if self.served[i].ended]
+        running, width = len(self.rows), 0
+        if self.rows:
+            width, got, done = self._decode(tau)
+            tokens, ended = tokens + got, ended + done
+        self.passes += 1
+        return LoopEvent(index, self.clock, tau, load.queue, running, width, self.clock - started_clock,
+                         tokens, tuple(admitted), tuple(ended))
+
+    def _charge(self, measured: float, rows: int, width: int, kind: str) -> float:
+        seconds = self.pass_cost(rows, width, kind, measured) if self.pass_cost is not None else measured
+        self.clock += seconds
+        return seconds
+
+    def _admit(self, ids: list[int], tau: float) -> None:
+        """Prefill these requests together in one pass of their own, then merge their rows into the batch."""
+        for i in ids:
+            self.served[i].status, self.served[i].admitted = "running", self.clock
+        newcomers = self._new_batch([self.served[i].request.prompt for i in ids])
+        steps, _ = self._guarded(lambda: newcomers.step(tau), ids, len(ids), "prefill")
+        if steps is None:
+            return
+        rows = dict(enumerate(ids))  # newcomers' book row -> request id
+        self._record(rows, steps, "prefill", tau, newcomers)
+        if self.batch is None or not self.rows:
+            self.batch, self.rows = newcomers, {r: rows[r] for r in newcomers.active}
+        else:
+            joined = self.batch.join(newcomers)
+            self.rows.update({new: rows[old] for new, old in zip(joined, newcomers.active)})
+
+    def _decode(self, tau: float) -> tuple[int, int, list[int]]:
+        """One pass over the running rows: (columns fed per row, tokens accepted, requests that ended)."""
+        rows = dict(self.rows)
+        steps, width = self._guarded(lambda: self.batch.step(tau), list(rows.values()), len(rows), "decode")
+        if steps is None:
+            return 0, 0, list(rows.values())
+        ended = self._record(rows, steps, "decode", tau, self.batch)
+        self.batch.kv.trim()
+        return width, sum(len(steps[r].token_ids) for r in rows), ended
+
+    def _guarded(self, run_pass: Callable, ids: list[int], rows: int, kind: str):
+        """Run one pass and charge it; if it raises, its requests end with the error and their rows go."""
+        started = time.perf_counter()
+        try:
+            steps, width = run_pass()
+        except Exception as err:  # noqa: BLE001 - a failed pass must still end every request in it exactly once
+            self._charge(time.perf_counter() - started, rows, 1, kind)
+            for i in ids:
+                self._end(self.served[i], "error", f"{type(err).__name__}: {err}")
+            self.rows = {r: i for r, i in self.rows.items() if i not in ids}
+            if not self.rows:
+                self.batch = None
+            return None, 0
+        self._charge(time.perf_counter() - started, rows, width, kind)
+        return steps, width
+
+    def _record(self, rows: dict[int, int], steps, kind: str, tau: float, batch: TokenBatch) -> list[int]:
+        """Add each row's step to its request; end the requests whose rows finished. Returns those ids."""
+        ended = []
+        for row, request_id in rows.items():
+            step, served = steps[row], self.served[request_id]
+            if served.ended:
+                continue
+            served.token_ids += step.token_ids
+            served.trace.append(PassStep(self.passes, kind, tau, tuple(step.token_ids), self.clock))
+            if step.token_ids and served.first_token is None:
+                served.first_token = self.clock
+            if step.finish:
+                self._end(served, "done", step.finish)
+                ended.append(request_id)
+                if batch is self.batch:
+                    self.rows.pop(row, None)
+        return ended
+
+    def _new_batch(self, prompts: list[tuple[int, ...]]) -> TokenBatch:
+        c = self.config
+        return TokenBatch(
+            self.model, prompts, block_size=c.block_size, mask_id=self.mask_id,
+            pad_id=self.pad_id, metric=c.metric, max_new_tokens=c.max_new_tokens, stop_ids=self.stop_ids,
+            verifying=c.mode in VERIFYING_MODES,
+        )
+
+    # -- a whole replay ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(
+        self, requests: Sequence[Request], *, deadline: float | None = None, stop: Callable[[], bool] | None = None,
+    ) -> Iterator[LoopEvent]:
+        """Submit ``requests`` as the clock reaches their arrivals and step until every one has ended.
+
+        ``deadline`` (wall-clock seconds from now) or ``stop()`` returning True: every request
+        not yet ended is stopped, between two iterations. Idle time (nothing running, nothing
+        waiting) jumps to the next arrival.
+        """
+        due = deque(sorted(requests, key=lambda r: (r.arrival, r.id)))
+        stop_at = None if deadline is None else time.monotonic() + deadline
+        while due or self.queue or self.rows:
+            if (stop_at is not None and time.monotonic() > stop_at) or (stop is not None and stop()):
+                for request in due:
+                    self.submit(request)
+                due.clear()
+                self.stop_all()
+                break
+            if not self.queue and not self.rows and due:
+                self.clock = max(self.clock, due[0].arrival)
+            while due and due[0].arrival <= self.clock:
+                self.submit(due.popleft())
+            if self.queue or self.rows:
+                yield self.step()

@@ -1,0 +1,184 @@
+"""The Serving tab: seeded arrivals replayed through the serving loop under several tau policies, live.
+
+The run is the serve-sim command's replay (serve_sim.py) inside the app: the same
+requests for every policy, one policy after another, on a clock driven by the measured
+pass times. Charts (tau, queue, throughput, latency over time, one line per policy) are
+redrawn about once a second and the totals table grows as each policy finishes.
+
+Bounds: rate, request count, batch size, tokens and the time limit are capped, and the
+time limit covers the whole run (warm-up included), so a run holds the shared decoding
+slot, and so the Race tab, for at most that long. Stop takes effect between two passes
+and still shows the totals of what was served. Quality here is agreement with the
+fixed:1.0 output only (dNLL needs the base model: the serve-sim command has it).
+app.py builds the tab's components (``SERVING_*`` below give their bounds and choices).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from html import escape
+
+import gradio as gr
+
+from ..engine.prompts import prompt_ids
+from ..engine.replay import (
+    ARRIVALS,
+    REFERENCE,
+    SimConfig,
+    add_agreement,
+    live_replay,
+    make_requests,
+    series,
+    summarise,
+    warm_up,
+)
+from ..engine.serving import parse_policy, split_policies
+from .charts import serving_figures
+from .examples import EXAMPLE_PROMPTS
+from .messages import error, sentence
+
+# (minimum, maximum, default) of the tab's numeric settings.
+BOUNDS = {
+    "rate": (0.05, 20.0, 1.0),
+    "requests": (1, 60, 16),
+    "time_limit": (5, 180, 60),
+    "max_batch": (1, 8, 4),
+    "max_new_tokens": (8, 128, 48),
+}
+POLICY_CHOICES = ("fixed:1.0", "fixed:0.95", "fixed:0.9", "fixed:0.8", "adaptive", "latency:10")
+DEFAULT_POLICIES = ["fixed:1.0", "fixed:0.9", "adaptive"]
+TOTALS = (  # (key, header, digits): the tab's totals table
+    ("policy", "policy", None), ("done", "done", None), ("tokens_per_second", "tokens / s", 1),
+    ("requests_per_second", "requests / s", 3), ("latency_p50", "latency p50 (s)", 2),
+    ("latency_p95", "latency p95 (s)", 2), ("latency_p99", "latency p99 (s)", 2), ("ttft_p50", "TTFT p50 (s)", 2),
+    ("queue_max", "queue max", None), ("tau_mean", "mean tau", 3), ("tokens_per_forward", "tokens / forward", 2),
+    ("agreement", "agreement with fixed:1", 3),
+)
+TOTAL_HEADERS = [header for _, header, _ in TOTALS]
+
+SERVING_INTRO = """Requests arrive at the chosen **rate** (Poisson, or bursts of 8) and share one batch: a new request
+is prefilled and joins the running batch between two passes, a finished one leaves at once. Each **policy**
+sets tau before every pass from the load; **adaptive** lowers tau as requests wait (1.0 while nobody waits,
+0.95 from 1 waiting, 0.9 from 4, 0.8 from 8, 0.7 from 16). Every policy serves the same seeded requests
+on a clock driven by the measured pass times. Agreement compares each output with fixed:1.0's
+(tau 1.0 is the AR output). The run holds the decoding slot, so races wait, for at most its time limit."""
+
+
+@dataclass
+class ServingState:
+    """One browser session's serving run: Stop sets ``stop``; the run's generator reads it between passes."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    running: bool = False
+
+
+def _number(value, name: str, label: str, integer: bool = False) -> float:
+    low, high, _ = BOUNDS[name]
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{label} must be a number from {low:g} to {high:g}") from None
+    if not low <= number <= high or (integer and number != int(number)):
+        kind = "a whole number" if integer else "a number"
+        raise ValueError(f"{label} must be {kind} from {low:g} to {high:g}, got {value}")
+    return int(number) if integer else number
+
+
+def parse_settings(arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens) -> tuple[SimConfig, float]:
+    """The tab's values as a SimConfig and a time limit; a ValueError with one clear sentence otherwise."""
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}")
+    chosen = list(policies or []) + split_policies(extra)
+    if not chosen:
+        raise ValueError("pick at least one policy")
+    if len(chosen) > 6:
+        raise ValueError("pick at most 6 policies")
+    for spec in chosen:
+        parse_policy(spec)
+    names = [parse_policy(spec).name for spec in chosen]
+    if len(set(names)) != len(names):
+        raise ValueError("a policy is listed twice")
+    config = SimConfig(
+        rate=_number(rate, "rate", "Rate"), requests=_number(requests, "requests", "Requests", True),
+        policies=tuple(chosen), arrivals=arrivals, max_batch=_number(max_batch, "max_batch", "Max batch", True),
+        max_new_tokens=_number(max_new_tokens, "max_new_tokens", "Max new tokens", True),
+    )
+    return config, _number(time_limit, "time_limit", "Time limit", True)
+
+
+class ServingHandlers:
+    """The tab's Run and Stop; ``demo_handlers`` (ui.handlers.DemoHandlers) lends the model cache and policy."""
+
+    def __init__(self, demo_handlers, chart_every: float = 1.0) -> None:
+        self.demo = demo_handlers
+        self.chart_every = chart_every
+
+    def stop(self, state: ServingState) -> None:
+        state.stop.set()
+
+    def run(
+        self, arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens, spec,
+        state: ServingState, request: gr.Request = None,
+    ) -> Iterator[tuple]:
+        """Replay the seeded requests under each policy; yields (status, tau, queue, throughput, latency, totals)."""
+        try:
+            config, limit = parse_settings(arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens)
+        except ValueError as err:
+            raise error(sentence(str(err)), "Bad setting", request) from None
+        stop_at = time.monotonic() + limit
+        state.stop.clear()
+        state.running = True
+        try:
+            with ExitStack() as held:
+                lm = self.demo._hold(spec, held, request)
+                yield from self._replays(lm, config, stop_at, state)
+        finally:
+            state.running = False
+
+    def _replays(self, lm, config: SimConfig, stop_at: float, state: ServingState) -> Iterator[tuple]:
+        requests = make_requests(config, [prompt_ids(lm.tokenizer, p) for p in EXAMPLE_PROMPTS])
+        yield self._view("Warming up…", {}, [])
+        warm_up(lm, config, requests)
+        runs, summaries, shown = [], [], 0.0
+        for number, spec in enumerate(config.policies, 1):
+            run = None
+            for run in live_replay(lm, config, spec, requests, deadline=max(stop_at - time.monotonic(), 0.0),
+                                   stop=state.stop.is_set):
+                if time.monotonic() - shown >= self.chart_every:
+                    shown = time.monotonic()
+                    yield self._progress(run, number, config, runs, summaries)
+            if run is None:
+                break
+            runs.append(run)
+            summaries.append(summarise(run))
+        reference = next((r for r in runs if r.policy == REFERENCE), None)
+        if reference is not None:
+            add_agreement(summaries, runs, reference)
+        stopped = state.stop.is_set() or time.monotonic() > stop_at
+        note = "Stopped" if state.stop.is_set() else "Time limit reached" if stopped else "Finished"
+        yield self._view(f"{note}: {len(runs)} of {len(config.policies)} policies served.", _all_series(runs), summaries)
+
+    def _progress(self, run, number: int, config: SimConfig, runs: list, summaries: list[dict]) -> tuple:
+        ended = sum(s.ended for s in run.loop.served.values())
+        text = (f"Policy {number} of {len(config.policies)} ({run.policy}): {ended} of {config.requests} requests "
+                f"ended, clock {run.loop.clock:.1f} s, tau now {run.events[-1].tau:g}.")
+        return self._view(text, _all_series([*runs, run]), [*summaries, summarise(run)])
+
+    def _view(self, text: str, all_series: dict[str, dict], summaries: list[dict]) -> tuple:
+        figures = serving_figures(all_series) if all_series else [gr.skip()] * 4
+        status = f'<div class="serving-status">{escape(text)}</div>'
+        return (status, *figures, totals_rows(summaries))
+
+
+def totals_rows(summaries: list[dict]) -> list[list]:
+    """One row per policy for the totals table (None where a figure does not apply)."""
+    return [[s.get(key) if digits is None or s.get(key) is None else round(s[key], digits) for key, _, digits in TOTALS]
+            for s in summaries]
+
+
+def _all_series(runs: list) -> dict[str, dict]:
+    return {run.policy: series(run) for run in runs if run.events}

@@ -1,0 +1,80 @@
+"""The optional compiled decoding path (static KV cache + torch.compile) decodes like the default one.
+
+On the CPU the compile uses dynamo's ``eager`` backend: the graph capture, the static
+cache and its rewinding are what is tested; inductor / CUDA graphs only change kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from mars_demo.engine.compiled import compiled_forward, enable_compiled_decoding, new_cache, rewind
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import collect, generate
+from mars_demo.engine.loading import LoadedModel
+
+from conftest import PROMPTS, make_lm
+
+CONFIGS = {
+    "mars": DecodeConfig(tau=0.7, max_new_tokens=16),
+    "mars-tau1": DecodeConfig(tau=1.0, max_new_tokens=12),
+    "mars-sampled": DecodeConfig(tau=0.7, max_new_tokens=16, temperature=0.8, seed=1),
+    "ar": DecodeConfig(mode="ar", max_new_tokens=12),
+    "exact": DecodeConfig(mode="exact", max_new_tokens=12),  # stays on the dynamic path
+}
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LoadedModel, LoadedModel]:
+    plain = make_lm("llama")
+    model = copy.deepcopy(plain.model)
+    enable_compiled_decoding(model, backend="eager")
+    return plain, LoadedModel(model=model, tokenizer=plain.tokenizer, meta=plain.meta, name="tiny-llama-compiled")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_decodes_like_eager(pair, name):
+    plain, compiled = pair
+    for prompt in PROMPTS[:2]:
+        want = collect(generate(plain, prompt, CONFIGS[name]))
+        got = collect(generate(compiled, prompt, CONFIGS[name]))
+        assert got.token_ids == want.token_ids
+        assert got.stats.forward_passes == want.stats.forward_passes
+        for a, b in zip(got.steps, want.steps):
+            assert a.confidences == pytest.approx(b.confidences, rel=1e-5, abs=1e-6)
+
+
+def test_static_cache_only_when_compiled(pair):
+    plain, compiled = pair
+    assert compiled_forward(plain.model) is None and isinstance(new_cache(plain.model, 32), DynamicCache)
+    assert isinstance(new_cache(compiled.model, 32), StaticCache)
+
+
+def test_rewind_moves_the_static_write_position_back(pair):
+    plain, _ = pair
+    cache = StaticCache(config=plain.model.config, max_cache_len=16)
+    with torch.no_grad():
+        plain.model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=cache, use_cache=True)
+    assert int(cache.get_seq_length()) == 5
+    rewind(cache, 2)
+    assert int(cache.get_seq_length()) == 3
+    dynamic = DynamicCache(config=plain.model.config)
+    with torch.no_grad():
+        plain.model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=dynamic, use_cache=True)
+    rewind(dynamic, 2)
+    assert dynamic.get_seq_length() == 3
+
+
+def test_bench_compile_is_for_cuda(model_dir, tmp_path, capsys):
+    from mars_demo import cli
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text('["Count: one, two"]')
+    argv = ["bench", "--model", model_dir, "--prompts", str(prompts), "--device", "cpu", "--precision", "fp32",
+            "--compile", "--out", str(tmp_path / "report.json")]
+    assert cli.main(argv) == 2
+    assert "--compile is for CUDA" in capsys.readouterr().err

@@ -1,0 +1,86 @@
+"""Models spread over devices by accelerate decode exactly like the same model on one device.
+
+The tiny model is dispatched with a device_map that splits its layers between the CPU
+and disk offload, the way ``device_map="auto"`` spreads the 7B checkpoints over GPUs:
+offloaded weights sit on the ``meta`` device (so ``model.device`` is ``meta``) and
+accelerate's hooks bring each layer's weights in for its forward pass.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate import dispatch_model
+
+from mars_demo.engine.batching import collect_batch, generate_batch
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import collect, generate
+from mars_demo.engine.loading import LoadedModel
+from mars_demo.engine.placement import SeededGenerator, input_device
+
+from conftest import PROMPTS, make_lm
+
+SPLIT = {  # the first layer on disk, so nothing can read the input device off the first parameter
+    "model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",
+    "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk",
+}
+CONFIGS = {
+    "mars": DecodeConfig(tau=0.7, max_new_tokens=20),
+    "mars-capped": DecodeConfig(tau=0.7, max_new_tokens=20, max_fed=3),
+    "mars-sampled": DecodeConfig(tau=0.7, max_new_tokens=20, temperature=0.8, seed=3),
+    "ar": DecodeConfig(mode="ar", max_new_tokens=20),
+    "exact": DecodeConfig(mode="exact", max_new_tokens=20),
+    "hybrid": DecodeConfig(mode="hybrid", tau=0.7, max_new_tokens=20),
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[LoadedModel, LoadedModel]:
+    plain = make_lm("qwen2")
+    model = dispatch_model(copy.deepcopy(plain.model), SPLIT, main_device="cpu",
+                           offload_dir=str(tmp_path_factory.mktemp("offload")))
+    spread = LoadedModel(model=model, tokenizer=plain.tokenizer, meta=plain.meta, name="tiny-qwen2-dispatched")
+    return plain, spread
+
+
+def test_the_split_really_offloads(pair):
+    _, spread = pair
+    assert spread.model.model.embed_tokens.weight.device.type == "meta"
+    assert spread.model.lm_head.weight.device.type == "meta"
+    assert spread.model.device.type == "meta"  # what the decoder used to put its inputs on
+    assert input_device(spread.model) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_dispatched_decodes_like_undispatched(pair, name):
+    plain, spread = pair
+    config = CONFIGS[name]
+    for prompt in PROMPTS:
+        want = collect(generate(plain, prompt, config))
+        got = collect(generate(spread, prompt, config))
+        assert got.token_ids == want.token_ids
+        assert [s.confidences for s in got.steps] == [s.confidences for s in want.steps]
+        assert got.stats.forward_passes == want.stats.forward_passes
+
+
+@pytest.mark.parametrize("scheme", ["token", "block"])
+def test_dispatched_batches_like_undispatched(pair, scheme):
+    plain, spread = pair
+    config = DecodeConfig(tau=0.7, max_new_tokens=16)
+    want = collect_batch(generate_batch(plain, PROMPTS, config, scheme=scheme))
+    got = collect_batch(generate_batch(spread, PROMPTS, config, scheme=scheme))
+    assert got.token_ids == want.token_ids
+
+
+def test_input_device_of_a_plain_model_is_its_device(tiny_llama):
+    assert input_device(tiny_llama.model) == tiny_llama.model.device
+
+
+def test_seeded_generator_is_made_once_where_first_asked():
+    generator = SeededGenerator(5)
+    first = generator.on(torch.device("cpu"))
+    assert generator.on(torch.device("cpu")) is first
+    assert torch.equal(torch.rand(3, generator=first), torch.rand(3, generator=torch.Generator().manual_seed(5)))
+    assert SeededGenerator(None).on(torch.device("cpu")) is None

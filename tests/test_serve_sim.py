@@ -1,0 +1,132 @@
+"""serve-sim: seeded arrivals, the report (JSON + self-contained HTML, one curve per policy), bad parameters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mars_demo.cli import main
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.replay import BURST, SimConfig, arrival_times, make_requests, percentile
+from mars_demo.research.serve_report import format_totals, to_html
+from mars_demo.research.serve_sim import curve_ms, model_cost, simulate
+from mars_demo.ui.charts import rolling_throughput, serving_figures
+
+from conftest import PROMPTS
+
+
+def test_arrivals_are_seeded_and_keep_the_mean_rate():
+    a = arrival_times("poisson", 2.0, 400, seed=3)
+    assert a == arrival_times("poisson", 2.0, 400, seed=3) and a != arrival_times("poisson", 2.0, 400, seed=4)
+    assert a == sorted(a) and a[0] == 0.0 and 400 / 2.0 * 0.8 < a[-1] < 400 / 2.0 * 1.2
+    burst = arrival_times("burst", 4.0, 20, seed=0)
+    assert burst[:BURST] == [0.0] * BURST and burst[BURST] == BURST / 4.0 and len(set(burst)) == 3
+
+
+def test_requests_draw_prompts_from_the_pool_reproducibly():
+    config = SimConfig(rate=1.0, requests=12)
+    pool = [[1, 2], [3], [4, 5, 6]]
+    assert make_requests(config, pool) == make_requests(config, pool)
+    assert {r.prompt for r in make_requests(config, pool)} <= {tuple(p) for p in pool}
+
+
+def test_percentile():
+    assert percentile([], 95) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile(list(range(101)), 95) == 95
+
+
+def test_simulation_on_a_tiny_model(tiny_qwen):
+    config = SimConfig(rate=50.0, requests=8, policies=("fixed:1.0", "fixed:0.15", "adaptive"), max_batch=3, max_new_tokens=12)
+    pool = [prompt_ids(tiny_qwen.tokenizer, p) for p in PROMPTS]
+    result = simulate(tiny_qwen, config, pool, base=tiny_qwen.model)
+    names = [p["summary"]["policy"] for p in result["policies"]]
+    assert names == ["fixed:1", "fixed:0.15", "adaptive"]
+    for policy in result["policies"]:
+        s = policy["summary"]
+        assert s["done"] == 8 and s["stopped"] == s["error"] == 0 and s["latency_p50"] <= s["latency_p95"] <= s["latency_p99"]
+        assert len(policy["requests"]) == 8 and all(r["passes"] for r in policy["requests"])
+        assert len(policy["series"]["clock"]) == s["iterations"]
+    ref = result["policies"][0]["summary"]
+    assert ref["delta_nll_base"] == 0.0 and ref["agreement"] == 1.0 and ref["tau_mean"] == 1.0
+    assert result["policies"][1]["summary"]["tokens_per_forward"] > 1.0
+    all_series = {p["summary"]["policy"]: p["series"] for p in result["policies"]}
+    assert all(len(fig.data) == 3 for fig in serving_figures(all_series))  # one curve per policy
+    assert "fixed:0.15" in format_totals([p["summary"] for p in result["policies"]])
+
+
+def test_rolling_throughput():
+    clock, rate = rolling_throughput({"clock": [0.5, 1.0, 1.5, 2.5], "tokens": [2, 2, 2, 2]}, window=1.0)
+    assert clock == [0.5, 1.0, 1.5, 2.5] and rate == [2.0, 4.0, 4.0, 2.0]
+
+
+def test_cli_writes_json_and_self_contained_html(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp_path / "sim"
+    code = main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "6", "--policies", "fixed:1.0,latency:0.5",
+                 "--prompts", str(prompts), "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
+                 "--precision", "fp32", "--base", model_dir, "--pass-costs"])
+    assert code == 0
+    report = json.loads((out / "serve-sim.json").read_text())
+    assert [p["summary"]["policy"] for p in report["policies"]] == ["fixed:1", "latency:0.5"]
+    assert report["pass_costs"] and "measured seconds" in report["clock"]
+    page = (out / "serve-sim.html").read_text()
+    assert page.count("<script") >= 4 and '<script src="http' not in page and "latency:0.5" in page
+    assert "fixed:1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("clock", ["width-free", "tokens-fed"])
+def test_cli_cost_model_clocks(model_dir, tmp_path, clock):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp_path / "sim"
+    assert main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "5", "--policies", "fixed:1.0,fixed:0.2",
+                 "--prompts", str(prompts), "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
+                 "--precision", "fp32", "--no-quality", "--clock", clock]) == 0
+    report = json.loads((out / "serve-sim.json").read_text())
+    assert report["clock"].startswith("cost model") and report["curve_ms"]
+    assert report["settings"]["clock"] == clock and "delta_nll_base" not in report["policies"][0]["summary"]
+
+
+def test_cost_models_follow_the_curve():
+    curve = {1: 10.0, 2: 12.0, 4: 20.0}
+    assert curve_ms(curve, 1) == 10.0 and curve_ms(curve, 3) == 16.0 and curve_ms(curve, 6) == 28.0
+    cpu, gpu = model_cost(curve, "tokens-fed"), model_cost(curve, "width-free")
+    assert cpu(2, 2, "decode", 9.9) == 0.020 and gpu(2, 2, "decode", 9.9) == 0.012
+    assert gpu(2, 2, "prefill", 9.9) == cpu(2, 2, "prefill", 9.9) == 0.020
+
+
+def test_html_escapes_what_it_shows():
+    report = {"model": "<b>m</b>", "command": "<script>x</script>", "policies": [], "settings": {}}
+    page = to_html(report, [])
+    assert "<b>m</b>" not in page and "&lt;script&gt;x" in page
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rate", "0"], "rate must be above 0"),
+    (["--rate", "-2"], "rate must be above 0"),
+    (["--rate", "nan"], "rate must be above 0"),
+    (["--rate", "1", "--requests", "0"], "requests must be an integer from 1"),
+    (["--rate", "1", "--requests", "1000000"], "requests must be an integer from 1"),
+    (["--rate", "1", "--max-batch", "500"], "max batch must be an integer from 1"),
+    (["--rate", "1", "--policies", "fixed:1.0,turbo"], "unknown policy 'turbo'"),
+    (["--rate", "1", "--policies", "fixed:2"], "tau must be between 0 and 1"),
+    (["--rate", "1", "--policies", ""], "give 1 to 8 different policies"),
+    (["--rate", "1", "--time-limit", "0"], "--time-limit must be above 0"),
+    (["--rate", "1", "--arrivals", "steady"], "invalid choice"),
+])
+def test_bad_parameters_are_one_line_and_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) if "invalid choice" in message else _no_raise() as caught:
+        code = main(["serve-sim", *args])
+    code = caught.value.code if caught else code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+class _no_raise:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
