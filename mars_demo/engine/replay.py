@@ -20,7 +20,7 @@ Figures per policy (``summarise``; ``add_agreement``):
   queue_max, queue_mean  requests waiting, per iteration (mean weighted by clock time)
   tau_mean             mean tau over request passes (what requests were decoded at)
   tokens_per_forward   tokens / request passes (metrics.per_forward)
-  agreement            mean over requests of metrics.prefix_agreement with the fixed:1.0
+  agreement            metrics.agreement (mean over requests of the common prefix) with the fixed:1.0
                        output of the same request (1.0 = identical)
 research/serve_sim.py adds delta_nll_base (dNLL under the base model).
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .decoding import eos_ids
 from .loading import LoadedModel
-from .metrics import prefix_agreement
+from .metrics import agreement, per_forward, per_second
 from .prompts import pad_id
 from .serving import LoopEvent, PassCost, Request, ServeConfig, ServingLoop, parse_policy
 
@@ -185,14 +185,14 @@ def summarise(run: PolicyRun) -> dict:
         **{status: sum(s.status == status for s in served) for status in ("done", "stopped", "error")},
         "tokens": tokens,
         "makespan_s": r(makespan, 3),
-        "tokens_per_second": r(tokens / makespan if makespan > 0 else 0.0, 2),
-        "requests_per_second": r(len(done) / makespan if makespan > 0 else 0.0, 3),
+        "tokens_per_second": r(per_second(tokens, makespan), 2),
+        "requests_per_second": r(per_second(len(done), makespan), 3),
         **{f"latency_p{q}": r(percentile(latency, q), 3) for q in (50, 95, 99)},
         **{f"ttft_p{q}": r(percentile(ttft, q), 3) for q in (50, 95)},
         "queue_max": max((e.queue for e in run.events), default=0),
         "queue_mean": r(sum(e.queue * w for e, w in zip(run.events, weights)) / sum(weights) if sum(weights) else 0.0, 2),
         "tau_mean": r(sum(p.tau for p in passes) / len(passes) if passes else None),
-        "tokens_per_forward": r(sum(len(p.tokens) for p in passes) / len(passes) if passes else None),
+        "tokens_per_forward": r(per_forward(sum(len(p.tokens) for p in passes), len(passes)) if passes else None),
         "iterations": len(run.events),
         "wall_seconds": r(run.wall_seconds, 2),
     }
@@ -236,4 +236,5 @@ def add_agreement(summaries: list[dict], runs: list[PolicyRun], reference: Polic
     for summary, run in zip(summaries, runs):
         both = [(s, ref[i]) for i, s in run.loop.served.items() if s.status == "done" and i in ref]
         summary["quality_requests"] = len(both)
-        summary["agreement"] = round(sum(prefix_agreement(s.token_ids, r.token_ids) for s, r in both) / len(both), 4) if both else None
+        outputs, references = [s.token_ids for s, _ in both], [r.token_ids for _, r in both]
+        summary["agreement"] = round(agreement(outputs, references), 4) if both else None
