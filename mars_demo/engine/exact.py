@@ -182,11 +182,17 @@ def lookup(history: list[int], most: int, ngram: int) -> list[int]:
     """
     if most < 1 or len(history) <= ngram:
         return []
-    tail = history[-ngram:]
-    for start in range(len(history) - ngram - 1, -1, -1):
+    tail, end = history[-ngram:], len(history) - ngram  # a match starts before the tail itself
+    found, start = -1, 0
+    while True:  # list.index scans in C: the candidates are the earlier places of the tail's first token
+        try:
+            start = history.index(tail[0], start, end)
+        except ValueError:
+            break
         if history[start : start + ngram] == tail:
-            return history[start + ngram : start + ngram + most]
-    return []
+            found = start
+        start += 1
+    return history[found + ngram : found + ngram + most] if found >= 0 else []
 
 
 def pick_drafts(history: list[int], drafts: list[int], depth: int) -> list[int]:
