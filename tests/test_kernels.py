@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from mars_demo.cli import main
 from mars_demo.engine import kernels
+from mars_demo.engine.batching import collect_batch, generate_batch
 from mars_demo.engine.config import DecodeConfig, resolve_max_fed
 from mars_demo.engine.decoding import collect, generate
 from mars_demo.engine.kernels import Int8Linear, cap_from_costs, choose, convert, select
@@ -45,6 +46,16 @@ def test_a_rows_logits_do_not_depend_on_the_rows_after_it(arch, path):
     for fed in ([mask], [mask] * 3, [5, 6, mask, mask, mask], [mask] * 7):
         alone, wide = first_row_logits(lm.model, prompt, fed)
         assert torch.equal(alone, wide), fed  # bit for bit, not only the argmax
+
+
+@pytest.mark.parametrize("path", ["bf16", "int8"])
+@pytest.mark.parametrize("scheme, mode", [("token", "mars"), ("token", "exact"), ("block", "mars")])
+def test_every_batch_row_equals_that_row_alone_on_every_path(path, scheme, mode):
+    lm = on_path("llama", path)  # prompts of different lengths: the shorter rows are left-padded
+    config = DecodeConfig(mode=mode, tau=0.5 if mode == "mars" else 1.0, max_new_tokens=12)
+    batch = collect_batch(generate_batch(lm, PROMPTS, config, scheme=scheme))
+    for prompt, row in zip(PROMPTS, batch.token_ids):
+        assert row == collect(generate(lm, prompt, config)).token_ids, prompt
 
 
 @pytest.mark.parametrize("path", ["fp32", "bf16", "int8"])

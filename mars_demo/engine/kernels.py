@@ -28,6 +28,7 @@ import transformers
 from torch import nn
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 AttentionInterface.register(ROW_EXACT, row_exact_attention)
+# Without a mask function of its own, transformers gives a custom attention no mask at all, and the
+# padded rows of a batch would attend to their padding: it builds the same masks as SDPA.
+AttentionMaskInterface.register(ROW_EXACT, sdpa_mask)
 
 
 def convert(model: PreTrainedModel, path: str, *, row_exact: bool = True) -> PreTrainedModel:
