@@ -73,7 +73,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m mars_demo", description="MARS multi-token generation: decode, train, evaluate, benchmark.")
+    parser = OneLineParser(
+        prog="python -m mars_demo", description="MARS multi-token generation: decode, train, evaluate, benchmark."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in sorted(command_modules().items()):

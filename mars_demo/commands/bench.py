@@ -26,13 +26,21 @@ def _csv(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser)
     parser.add_argument("--prompts", type=Path, required=True, help="JSON list of prompts, or one prompt per line")
-    parser.add_argument("--taus", default=",".join(f"{t:g}" for t in DEFAULTS.taus), help="comma-separated taus in [0, 1]")
-    parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULTS.batch_sizes)), help="comma-separated batch sizes")
-    parser.add_argument("--block-size", type=int, default=None, help="candidates per pass / block size (default: the checkpoint's)")
+    parser.add_argument(
+        "--taus", default=",".join(f"{t:g}" for t in DEFAULTS.taus), help="comma-separated taus in [0, 1]"
+    )
+    parser.add_argument(
+        "--batch-sizes", default=",".join(map(str, DEFAULTS.batch_sizes)), help="comma-separated batch sizes"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="candidates per pass / block size (default: the checkpoint's)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
-    parser.add_argument("--out", type=Path, default=Path("report.json"), help="report path; the HTML report goes beside it")
+    parser.add_argument(
+        "--out", type=Path, default=Path("report.json"), help="report path; the HTML report goes beside it"
+    )
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--compile", action="store_true",
@@ -66,7 +74,11 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
              "--taus", ",".join(f"{t:g}" for t in config.taus), "--batch-sizes", ",".join(map(str, config.batch_sizes)),
              "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods),
              "--max-fed", max_fed_text(config.max_fed), "--out", str(args.out)]
-    for flag, value in (("--precision", args.precision), ("--block-size", args.block_size), ("--limit", args.limit), ("--device", args.device), ("--threads", args.threads)):
+    optional = (
+        ("--precision", args.precision), ("--block-size", args.block_size), ("--limit", args.limit),
+        ("--device", args.device), ("--threads", args.threads),
+    )
+    for flag, value in optional:
         if value is not None:
             parts += [flag, str(value)]
     if getattr(args, "compile", False):
@@ -94,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision())
+    lm = load_model(
+        args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision()
+    )
     if args.compile:
         if lm.device.type != "cuda":
             raise UserError("--compile is for CUDA (static cache, CUDA graphs); on a CPU the compute paths apply")

@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
-    parser.add_argument("--base", default=BUNDLED_BASE, help=f"model whose NLL scores the outputs (default: {BUNDLED_BASE})")
+    parser.add_argument(
+        "--base", default=BUNDLED_BASE, help=f"model whose NLL scores the outputs (default: {BUNDLED_BASE})"
+    )
     parser.add_argument("--block-size", type=int, default=None, help="candidates per pass (default: the checkpoint's)")
     parser.add_argument("--out", type=Path, default=None, help="write the full report here as JSON")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up decodes (timings then include it)")

@@ -24,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt", help="one prompt")
     source.add_argument("--prompts-file", type=Path, help="JSON list of prompts, or one prompt per line")
     parser.add_argument("--mode", choices=MODES, default=DEFAULTS.mode)
-    parser.add_argument("--tau", type=float, default=DEFAULTS.tau, help="acceptance threshold in [0, 1]; 1.0 = one token per pass")
+    parser.add_argument(
+        "--tau", type=float, default=DEFAULTS.tau, help="acceptance threshold in [0, 1]; 1.0 = one token per pass"
+    )
     parser.add_argument("--block-size", type=int, default=None, help="candidates per pass (default: the checkpoint's)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     parser.add_argument("--metric", choices=METRICS, default=DEFAULTS.metric)
@@ -46,7 +48,9 @@ def record(prompt: str, result: Generation, model: str, compute: ComputePath | N
         "token_ids": result.token_ids,
         "steps": [
             {
-                "tokens": list(s.token_ids), "confidences": [round(c, 6) for c in s.confidences], "origins": list(s.origins),
+                "tokens": list(s.token_ids),
+                "confidences": [round(c, 6) for c in s.confidences],
+                "origins": list(s.origins),
                 "tau": s.tau, "seconds": round(s.seconds, 6),
             }
             for s in result.steps

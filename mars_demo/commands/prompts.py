@@ -15,7 +15,9 @@ HELP = "sample prompts written by the model itself into DIR/train.json and DIR/h
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=BUNDLED_BASE, help=f"model that writes the prompts (default: {BUNDLED_BASE})")
+    parser.add_argument(
+        "--model", default=BUNDLED_BASE, help=f"model that writes the prompts (default: {BUNDLED_BASE})"
+    )
     parser.add_argument("--count", type=int, required=True, help="prompts in all")
     parser.add_argument("--heldout", type=int, default=0, help="how many of them go to heldout.json")
     parser.add_argument("--seed", type=int, default=0)

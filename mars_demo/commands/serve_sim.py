@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=40, help=f"requests per policy (1 to {LIMITS['requests'][1]})")
     parser.add_argument("--policies", default="fixed:1.0,fixed:0.9,adaptive",
                         help=f"comma-separated: {POLICY_HELP}; adaptive = {DEFAULT_LADDER} (requests waiting, tau)")
-    parser.add_argument("--arrivals", choices=ARRIVALS, default="poisson", help="poisson, or bursts of 8 at the same mean rate")
+    parser.add_argument(
+        "--arrivals", choices=ARRIVALS, default="poisson", help="poisson, or bursts of 8 at the same mean rate"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=8, help="most rows decoding at once")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -43,12 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="prompt pool: JSON list or one per line")
     parser.add_argument("--base", default=BUNDLED_BASE, help="model whose NLL scores the outputs (dNLL)")
     parser.add_argument("--no-quality", action="store_true", help="skip dNLL and agreement (no base model load)")
-    parser.add_argument("--time-limit", type=float, default=600, help=f"wall seconds per policy (at most {MAX_TIME_LIMIT})")
+    parser.add_argument(
+        "--time-limit", type=float, default=600, help=f"wall seconds per policy (at most {MAX_TIME_LIMIT})"
+    )
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="measured",
                         help="measured: the clock advances by measured pass times; tokens-fed / width-free: "
                         "deterministic cost models on the compute path's measured curve, a CPU's shape (a pass costs "
                         "its rows x width tokens) and a GPU's (a pass costs its rows, whatever its width)")
-    parser.add_argument("--pass-costs", action="store_true", help="also measure ms per pass at rows 1,2,4,8 x width 1-5")
+    parser.add_argument(
+        "--pass-costs", action="store_true", help="also measure ms per pass at rows 1,2,4,8 x width 1-5"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/serve-sim"), help="folder for serve-sim.json and .html")
     add_precision_argument(parser)
 
@@ -73,7 +79,9 @@ def command_line(args: argparse.Namespace) -> str:
              "--mode", args.mode, "--clock", args.clock, "--out", str(args.out)]
     if args.precision:
         parts += ["--precision", args.precision]
-    return shlex.join(parts + (["--pass-costs"] if args.pass_costs else []) + (["--no-quality"] if args.no_quality else []))
+    parts += ["--pass-costs"] if args.pass_costs else []
+    parts += ["--no-quality"] if args.no_quality else []
+    return shlex.join(parts)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,9 @@ DEFAULTS = TrainConfig()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", default=BUNDLED_BASE, help=f"base checkpoint spec (default: {BUNDLED_BASE})")
-    parser.add_argument("--data", type=Path, required=True, help="JSONL with prompt_ids and response_ids (from distill)")
+    parser.add_argument(
+        "--data", type=Path, required=True, help="JSONL with prompt_ids and response_ids (from distill)"
+    )
     parser.add_argument(
         "--skip-rows", type=int, default=0,
         help="leave out the first N rows of --data (e.g. the rows an --init-adapter was trained on)",
@@ -60,7 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="distilled JSONL of held-out prompts (e.g. distill --prompts assets/data/heldout_val64.json): "
         "losses, argmax agreement and an acceptance estimate at tau 0.9, logged to val.jsonl",
     )
-    parser.add_argument("--val-every", type=int, default=100, help="steps between validations (also before the first and after the last)")
+    parser.add_argument(
+        "--val-every", type=int, default=100,
+        help="steps between validations (also before the first and after the last)",
+    )
     parser.add_argument("--val-rows", type=int, default=64, help="use at most N rows of --val-data")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -140,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"no usable rows in {args.val_data}")
         shared = {ex.prompt for ex in val_examples} & {ex.prompt for ex in examples}
         if shared:
-            raise UserError(f"{len(shared)} prompts of {args.val_data} are also in the training rows: validation needs held-out prompts")
+            raise UserError(
+                f"{len(shared)} prompts of {args.val_data} are also in the training rows: "
+                "validation needs held-out prompts"
+            )
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft calls a deprecated name
     lm = load_model(args.base, block_size=config.block_size, device=args.device or launched_device())
     result = train(

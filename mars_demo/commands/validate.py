@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"no usable rows in {args.data}")
     lm = load_model(args.model, block_size=args.block_size, precision=args.precision)
     block = lm.meta.block_size
-    results = validate(lm.model, examples, lm.meta.mask_token_id, pad_id(lm.tokenizer), block, taus=taus, batch_size=args.batch_size)
+    results = validate(
+        lm.model, examples, lm.meta.mask_token_id, pad_id(lm.tokenizer), block, taus=taus, batch_size=args.batch_size
+    )
     if args.json:
         for result in results:
             print(json.dumps({"model": lm.name, "block_size": block, "rows": len(examples)} | asdict(result)))
@@ -62,11 +64,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {lm.name} (block size {block}), {len(examples)} rows of {args.data}")
     print(f"held-out loss: noisy {first.noisy_loss}, AR {first.ar_loss}; greedy choice = the row's token on "
           f"{first.ar_agreement:.1%} of tokens; the AR head gives the row's token {first.ar_confidence:.3f} on average")
-    columns = [("tau", "tau", "{:.2f}"), ("tokens_per_pass", "tok/pass", "{:.3f}"), ("extra_match", "extra=row", "{:.3f}"),
-               ("ar_sure", "AR sure", "{:.3f}"), ("ar_path_tokens_per_pass", "AR path", "{:.3f}")]
+    columns = [("tau", "tau", "{:.2f}"), ("tokens_per_pass", "tok/pass", "{:.3f}"),
+               ("extra_match", "extra=row", "{:.3f}"), ("ar_sure", "AR sure", "{:.3f}"),
+               ("ar_path_tokens_per_pass", "AR path", "{:.3f}")]
     columns += [(f"cand {j}", f"cand {j}", "{:.3f}") for j in range(2, block + 1)]
     rows = [asdict(r) | dict(zip([f"cand {j}" for j in range(2, block + 1)], r.reach or [])) for r in results]
     print(text_table(rows, columns))
-    print("AR sure: share of the row's tokens the AR head gives >= tau. AR path: tok/pass if every mask were exactly as\n"
+    print("AR sure: share of the row's tokens the AR head gives >= tau. "
+          "AR path: tok/pass if every mask were exactly as\n"
           "sure as the AR head is of the row's path to its token. cand j: share of passes that accept candidate j.")
     return 0
