@@ -252,7 +252,9 @@ def decode_passes(
         produced += len(tokens)
         history += tokens
         seconds = time.perf_counter() - started
-        yield _Pass(tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length())
+        yield _Pass(
+            tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length()
+        )
         if finish:
             return
 

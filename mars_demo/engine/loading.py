@@ -200,7 +200,10 @@ def merged_bundled_dir() -> Path:
 
 
 def pick_device(device: str | None = None, precision: str | None = None) -> tuple[torch.device, torch.dtype]:
-    """The device, and the dtype to load in: fp32 on a CPU (kernels.py converts it), bf16 on a GPU unless fp32 is asked."""
+    """The device, and the dtype to load in.
+
+    fp32 on a CPU (kernels.py converts it), bf16 on a GPU unless fp32 is asked.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)

@@ -53,7 +53,9 @@ class Rates:
         return per_second(self.tokens, self.seconds)
 
     def __add__(self, other: Rates) -> Rates:
-        return Rates(self.tokens + other.tokens, self.forward_passes + other.forward_passes, self.seconds + other.seconds)
+        return Rates(
+            self.tokens + other.tokens, self.forward_passes + other.forward_passes, self.seconds + other.seconds
+        )
 
     @staticmethod
     def pool(items: Iterable[Rates]) -> Rates:
@@ -97,7 +99,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def prefix_agreement(a: Sequence[int], b: Sequence[int]) -> float:
-    """Common prefix / length of the longer sequence: 1.0 iff equal (also both empty), 0.0 if the first tokens differ."""
+    """Common prefix / length of the longer sequence.
+
+    1.0 iff equal (also both empty), 0.0 if the first tokens differ.
+    """
     longer = max(len(a), len(b))
     return common_prefix(a, b) / longer if longer else 1.0
 

@@ -50,7 +50,9 @@ def reference_decode(
     return generated, per_pass
 
 
-def _commit(accepted: list[int], generated: list[int], per_pass: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+def _commit(
+    accepted: list[int], generated: list[int], per_pass: list[int], max_new_tokens: int, stop_ids: set[int]
+) -> bool:
     """Append one pass's tokens (commit.commit_tokens); True when decoding ends there at a stop token."""
     accepted, finish = commit_tokens(accepted, max_new_tokens - len(generated), stop_ids)
     generated += accepted

@@ -43,7 +43,9 @@ ARRIVALS = ("poisson", "burst")
 BURST = 8
 REFERENCE = "fixed:1"  # the tau = 1.0 run every quality figure compares with
 # Bounds: a run is a few minutes on a CPU at most.
-LIMITS = {"rate": (0.0, 1000.0), "requests": (1, 2000), "max_batch": (1, 64), "max_new_tokens": (1, 1024), "policies": (1, 8)}
+LIMITS = {
+    "rate": (0.0, 1000.0), "requests": (1, 2000), "max_batch": (1, 64), "max_new_tokens": (1, 1024), "policies": (1, 8),
+}
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class PolicyRun:
 
 def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None) -> ServingLoop:
     return ServingLoop(
-        lm.model, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer), stop_ids=eos_ids(lm.model, lm.tokenizer), policy=parse_policy(policy), pass_cost=pass_cost,
+        lm.model, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer), stop_ids=eos_ids(lm.model, lm.tokenizer),
+        policy=parse_policy(policy), pass_cost=pass_cost,
         config=ServeConfig(mode=config.mode, max_batch=config.max_batch, max_new_tokens=config.max_new_tokens,
                            block_size=lm.meta.block_size),
     )
@@ -153,7 +156,9 @@ def replay(
 
 def warm_up(lm: LoadedModel, config: SimConfig, requests: Sequence[Request]) -> None:
     """A short untimed replay (two requests, a few tokens, both widths) so no policy pays first-call costs."""
-    short = SimConfig(rate=config.rate, requests=2, max_batch=2, max_new_tokens=4, policies=("fixed:0.5",), mode=config.mode)
+    short = SimConfig(
+        rate=config.rate, requests=2, max_batch=2, max_new_tokens=4, policies=("fixed:0.5",), mode=config.mode
+    )
     for policy in ("fixed:1.0", "fixed:0.5"):
         replay(lm, short, policy, [Request(i, r.prompt, 0.0) for i, r in enumerate(requests[:2])])
 
@@ -190,7 +195,9 @@ def summarise(run: PolicyRun) -> dict:
         **{f"latency_p{q}": r(percentile(latency, q), 3) for q in (50, 95, 99)},
         **{f"ttft_p{q}": r(percentile(ttft, q), 3) for q in (50, 95)},
         "queue_max": max((e.queue for e in run.events), default=0),
-        "queue_mean": r(sum(e.queue * w for e, w in zip(run.events, weights)) / sum(weights) if sum(weights) else 0.0, 2),
+        "queue_mean": r(
+            sum(e.queue * w for e, w in zip(run.events, weights)) / sum(weights) if sum(weights) else 0.0, 2
+        ),
         "tau_mean": r(sum(p.tau for p in passes) / len(passes) if passes else None),
         "tokens_per_forward": r(per_forward(sum(len(p.tokens) for p in passes), len(passes)) if passes else None),
         "iterations": len(run.events),

@@ -42,7 +42,9 @@ __all__ = [
 ]
 
 
-def decode_batch(model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, scheme: str = DEFAULT_SCHEME, **settings) -> Iterator[BatchEvent]:
+def decode_batch(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, scheme: str = DEFAULT_SCHEME, **settings
+) -> Iterator[BatchEvent]:
     """Token space: decode ``prompts`` (token ids) with ``scheme``; settings as in block_passes / token_passes."""
     if scheme not in SCHEMES:
         raise ValueError(f"batch scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")

@@ -25,7 +25,9 @@ from .events import BatchEvent
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
 
-def open_block(ext: list[list[int]], ext_attn: list[list[int]], first_pos: list[int], rooms: list[int], masks: int, mask_id: int) -> Window:
+def open_block(
+    ext: list[list[int]], ext_attn: list[list[int]], first_pos: list[int], rooms: list[int], masks: int, mask_id: int
+) -> Window:
     """[filled block (or prompt) | masks]: candidates from its last token and the masks, up to masks + 1 per row."""
     return Window(
         ids=[row + [mask_id] * masks for row in ext], attn=[row + [1] * masks for row in ext_attn],
@@ -34,10 +36,13 @@ def open_block(ext: list[list[int]], ext_attn: list[list[int]], first_pos: list[
     )
 
 
-def refill_block(blocks: list[list[int]], cached: int, first_pos: list[int], rooms: list[int], B: int, mask_id: int) -> Window:
-    """The block's slots ``cached``..B-2, accepted tokens then masks; a row's candidates start at its last accepted token.
+def refill_block(
+    blocks: list[list[int]], cached: int, first_pos: list[int], rooms: list[int], B: int, mask_id: int
+) -> Window:
+    """The block's slots ``cached``..B-2, accepted tokens then masks.
 
-    A row that has filled the block re-feeds it and may accept nothing: it waits.
+    A row's candidates start at its last accepted token. A row that has filled the block re-feeds it and may accept
+    nothing: it waits.
     """
     slots = B - 1 - cached
     return Window(

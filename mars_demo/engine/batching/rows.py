@@ -78,7 +78,8 @@ class PaddedCache:
         """
         rows, width = ids.shape
         dtype = self.model.dtype
-        allowed = torch.cat([self.attn.bool()[:, None, :].expand(rows, width, -1), block], dim=2)  # (rows, width, C + width)
+        # (rows, width, C + width)
+        allowed = torch.cat([self.attn.bool()[:, None, :].expand(rows, width, -1), block], dim=2)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)
         self.attn = torch.cat([self.attn, block.diagonal(dim1=1, dim2=2).long()], dim=1)
         out = self.model(
@@ -146,7 +147,9 @@ def _left_holes(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=axis)
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int, width: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
+def left_pad(
+    rows: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
     """Token rows padded on the left to ``width`` (default: the longest), and their 0/1 attention masks."""
     width = max(len(r) for r in rows) if width is None else width
     ids = [[pad_id] * (width - len(r)) + list(r) for r in rows]
@@ -154,7 +157,9 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, width: int | None = Non
     return ids, attn
 
 
-def limit_new_tokens(model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, lookahead: int) -> int:
+def limit_new_tokens(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, lookahead: int
+) -> int:
     """``max_new_tokens``, lowered so that no fed column (``lookahead`` past the last token) passes the context."""
     if not prompts:
         raise ValueError("no prompts to decode")

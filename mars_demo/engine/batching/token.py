@@ -61,7 +61,9 @@ def verify_block(
     positions = first[:, None] + columns  # (A, width): real part and main masks continue the row
     after_pending = torch.tensor([pos + len(p) for pos, p in zip(next_pos, pending)], device=device)
     positions[:, n + L :] = after_pending[:, None] + torch.arange(g, device=device)
-    present = torch.cat([torch.tensor(real_attn, device=device), torch.ones(len(real), L + g, dtype=torch.long, device=device)], 1)
+    present = torch.cat(
+        [torch.tensor(real_attn, device=device), torch.ones(len(real), L + g, dtype=torch.long, device=device)], 1
+    )
     block = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & present.bool()[:, None, :]
     for r, d in enumerate(drafts):
         block[r, n + L :, n - len(d) : n + L] = False  # fallback masks: not the drafts, not the main masks
@@ -71,7 +73,10 @@ def verify_block(
 def verify_rows(
     logits: torch.Tensor, drafts: list[list[int]], L: int, tau: float, metric: str
 ) -> list[exact.Verdict]:
-    """Each row's verdict; logits (A, 1 + max drafts + L + fallback, vocab), a row's newest pending token at column max - d."""
+    """Each row's verdict.
+
+    logits: (A, 1 + max drafts + L + fallback, vocab); a row's newest pending token is at column max - d.
+    """
     most = max(map(len, drafts))
     verdicts = []
     for r, d in enumerate(drafts):
@@ -148,8 +153,10 @@ class TokenBatch:
         self.active = list(range(len(prompts)))  # rows still decoding, in cache order
         self.pending = [list(p) for p in prompts]  # fed next pass: the prompt first, then the tokens accepted last pass
         self.next_pos = [0] * len(prompts)  # position id of each row's next real token
-        self.drafts: list[list[int]] = [[] for _ in prompts]  # verifying: each row's guesses for the tokens after its pending ones
-        self.history = [list(p) for p in prompts]  # verifying: each row's committed tokens, where exact passes look up drafts
+        # verifying: each row's guesses for the tokens after its pending ones
+        self.drafts: list[list[int]] = [[] for _ in prompts]
+        # verifying: each row's committed tokens, where exact passes look up drafts
+        self.history = [list(p) for p in prompts]
 
     @torch.inference_mode()
     def step(self, tau: float) -> tuple[list[RowStep], int]:
@@ -219,11 +226,14 @@ def _verify_pass(
     """
     rows_pending, rows_drafts = [pending[r] for r in active], [drafts[r] for r in active]
     cached = kv.length
-    ids, positions, block, n = verify_block(rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device)
+    ids, positions, block, n = verify_block(
+        rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device
+    )
     logits = kv.forward_block(ids, positions, block, 1 + max(map(len, rows_drafts)) + ids.shape[1] - n)
     verdicts = verify_rows(logits, rows_drafts, L, tau, metric)
     steps = book.commit_all(active, [v.tokens for v in verdicts], [v.confidences for v in verdicts])
-    kept = [n - len(d) + v.cached for d, v in zip(rows_drafts, verdicts)]  # each row's columns up to its last verified draft
+    # each row's columns up to its last verified draft
+    kept = [n - len(d) + v.cached for d, v in zip(rows_drafts, verdicts)]
     kv.crop(ids.shape[1] - max(kept))  # both mask groups and the drafts no row kept
     for i, (r, v) in enumerate(zip(active, verdicts)):
         kv.hide(i, cached + kept[i], cached + max(kept))  # this row's rejected drafts, kept for another row's sake
