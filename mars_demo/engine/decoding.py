@@ -251,10 +251,8 @@ def decode_passes(
         tokens, finish = commit_tokens(tokens, max_new_tokens - produced, stop_ids)
         produced += len(tokens)
         history += tokens
-        seconds = time.perf_counter() - started
-        yield _Pass(
-            tokens, confs[: len(tokens)], tau_now, seconds, finish, origins[: len(tokens)], cache.get_seq_length()
-        )
+        seconds, n = time.perf_counter() - started, len(tokens)
+        yield _Pass(tokens, confs[:n], tau_now, seconds, finish, origins[:n], cache.get_seq_length())
         if finish:
             return
 
