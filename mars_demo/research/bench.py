@@ -82,7 +82,8 @@ class BenchConfig:
         unknown = set(self.methods) - set(METHODS)
         if unknown:
             raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; known: {', '.join(METHODS)}")
-        DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens, max_fed=self.max_fed)  # same checks
+        # same checks
+        DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens, max_fed=self.max_fed)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,9 @@ def _no_tick(_: int) -> None:
     pass
 
 
-def run_hf(lm: LoadedModel, prompts: list[list[int]], batch_size: int, max_new: int, tick: Tick = _no_tick, **extra) -> Outcome:
+def run_hf(
+    lm: LoadedModel, prompts: list[list[int]], batch_size: int, max_new: int, tick: Tick = _no_tick, **extra
+) -> Outcome:
     """transformers ``generate``, greedy, left-padded batches; ``extra`` e.g. prompt_lookup_num_tokens."""
     model, tok = lm.model, lm.tokenizer
     stop = eos_ids(model, tok)
@@ -218,7 +221,9 @@ def run_job(
     if job.method == "prompt_lookup":
         return run_hf(lm, prompts, 1, max_new, tick, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
     mode = "ar" if job.method in AR_METHODS else "exact" if job.method == "mars_exact" else "mars"
-    decode = DecodeConfig(mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new, max_fed=config.max_fed)
+    decode = DecodeConfig(
+        mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new, max_fed=config.max_fed
+    )
     if job.method in ("ar", "mars", "mars_exact"):
         return run_single(lm, prompts, decode, tick)
     return run_batch(lm, prompts, job.batch_size, decode, SCHEME[job.method], tick)
@@ -307,7 +312,9 @@ class PassClock:
 
     def __enter__(self) -> Self:
         for name, module in self.parts.items():
-            self._handles += [module.register_forward_pre_hook(self._pre(name)), module.register_forward_hook(self._post(name))]
+            self._handles += [
+                module.register_forward_pre_hook(self._pre(name)), module.register_forward_hook(self._post(name))
+            ]
         return self
 
     def __exit__(self, *_) -> None:
@@ -340,7 +347,8 @@ def profile_passes(
         profile[name] = {
             "passes": passes,
             "tokens_per_forward": round(per_forward(tokens, passes), 4),
-            "ms_per_pass": {k: round(1000 * v / max(passes, 1), 4) for k, v in parts.items()} | {"total": round(1000 * seconds / max(passes, 1), 4)},
+            "ms_per_pass": {k: round(1000 * v / max(passes, 1), 4) for k, v in parts.items()}
+            | {"total": round(1000 * seconds / max(passes, 1), 4)},
             "share": {k: round(v / seconds, 4) if seconds > 0 else 0.0 for k, v in parts.items()},
         }
     return profile
@@ -376,7 +384,9 @@ def run_benchmark(
     bar.close()
     add_speedups(runs)
     block = config.block_size or lm.meta.block_size
-    profile = profile_passes(lm, ids, config.profile_tau, block, config.max_new_tokens, max_fed=config.max_fed, progress=progress)
+    profile = profile_passes(
+        lm, ids, config.profile_tau, block, config.max_new_tokens, max_fed=config.max_fed, progress=progress
+    )
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": lm.name,

@@ -131,7 +131,9 @@ def distill(
         for batch in _batches(encoded, batch_size):
             width = max(len(ids) for _, ids in batch)
             input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in batch], device=model.device)
-            attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch], device=model.device)
+            attention = torch.tensor(
+                [[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch], device=model.device
+            )
             out = model.generate(
                 input_ids, attention_mask=attention, do_sample=False, max_new_tokens=max_new_tokens,
                 eos_token_id=tok.eos_token_id, pad_token_id=pad,

@@ -262,11 +262,15 @@ def same_tokenizer(a: LoadedModel, b: LoadedModel) -> bool:
     return a.tokenizer is b.tokenizer or a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
 
 
-def decode_all(lm: LoadedModel, base: LoadedModel, prompts: list[list[int]], config: EvalConfig, progress: bool = True) -> Runs:
+def decode_all(
+    lm: LoadedModel, base: LoadedModel, prompts: list[list[int]], config: EvalConfig, progress: bool = True
+) -> Runs:
     """AR, tau = 1.0 and every tau, interleaved per prompt; then the base model's greedy outputs."""
     runs = Runs(mars={tau: [] for tau in config.levels})
     if config.warmup:
-        short = DecodeConfig(mode="ar", max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens), block_size=config.block_size)
+        short = DecodeConfig(
+            mode="ar", max_new_tokens=min(WARMUP_TOKENS, config.max_new_tokens), block_size=config.block_size
+        )
         decode(lm, prompts[0], short)
         decode(lm, prompts[0], short.with_(mode="mars", tau=min(config.levels)))
     total = len(prompts) * (1 + len(config.levels)) + (0 if base is lm else len(prompts))
@@ -399,7 +403,9 @@ def evaluate(
     if any(not p.strip() for p in prompts):
         raise ValueError("a prompt is empty")
     if not same_tokenizer(lm, base):
-        raise ValueError(f"the base model {base.name!r} does not share the tokenizer of {lm.name!r}: NLLs would not compare")
+        raise ValueError(
+            f"the base model {base.name!r} does not share the tokenizer of {lm.name!r}: NLLs would not compare"
+        )
     ids = [prompt_ids(lm.tokenizer, p) for p in prompts]
     started = time.perf_counter()
     runs = decode_all(lm, base, ids, config, progress)

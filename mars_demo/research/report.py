@@ -51,11 +51,14 @@ def speed_by_tau(runs: list[dict]) -> go.Figure:
         name = f"{method} b={batch}"
         if method in TAU_METHODS:
             items = sorted(items, key=lambda r: r["tau"])
-            fig.add_trace(go.Scatter(x=[r["tau"] for r in items], y=[r["tokens_per_second"] for r in items], mode="lines+markers", name=name))
+            fig.add_trace(go.Scatter(
+                x=[r["tau"] for r in items], y=[r["tokens_per_second"] for r in items], mode="lines+markers", name=name,
+            ))
         elif taus:
             y = items[0]["tokens_per_second"]
             fig.add_trace(go.Scatter(x=[taus[0], taus[-1]], y=[y, y], mode="lines", line={"dash": "dash"}, name=name))
-    fig.update_layout(title="Throughput against tau", xaxis_title="tau", yaxis_title="tokens / s", template="plotly_white")
+    fig.update_layout(title="Throughput against tau", xaxis_title="tau", yaxis_title="tokens / s",
+                      template="plotly_white")
     return fig
 
 
@@ -66,19 +69,23 @@ def speed_quality(runs: list[dict]) -> go.Figure:
         items = [r for r in runs if r["method"] == method and r.get("speedup") is not None]
         fig.add_trace(go.Scatter(
             x=[r["delta_nll_self"] for r in items], y=[r["speedup"] for r in items], mode="markers", name=method,
-            text=[f"{_label(r)}<br>agreement {r['agreement']:.3f}<br>{r['tokens_per_forward']:.2f} tok/fwd" for r in items],
+            text=[
+                f"{_label(r)}<br>agreement {r['agreement']:.3f}<br>{r['tokens_per_forward']:.2f} tok/fwd"
+                for r in items
+            ],
             hovertemplate="%{text}<br>dNLL %{x:+.3f}<br>speed-up %{y:.2f}x<extra></extra>", marker={"size": 10},
         ))
     fig.add_hline(y=1.0, line_dash="dot", line_color="grey")
-    fig.update_layout(title="Speed-up over the faster AR (same batch size) against dNLL", xaxis_title="dNLL (nats / token)",
-                      yaxis_title="speed-up", template="plotly_white")
+    fig.update_layout(title="Speed-up over the faster AR (same batch size) against dNLL",
+                      xaxis_title="dNLL (nats / token)", yaxis_title="speed-up", template="plotly_white")
     return fig
 
 
 def tokens_per_forward(runs: list[dict]) -> go.Figure:
     labels = [_label(r) for r in runs]
     fig = go.Figure(go.Bar(x=labels, y=[r["tokens_per_forward"] for r in runs], marker_color="#4c78a8"))
-    fig.update_layout(title="Tokens per forward pass (per live row)", yaxis_title="tokens / forward", template="plotly_white")
+    fig.update_layout(title="Tokens per forward pass (per live row)", yaxis_title="tokens / forward",
+                      template="plotly_white")
     return fig
 
 
@@ -91,7 +98,8 @@ def pass_profile(profile: dict) -> go.Figure:
                y=[profile[m]["ms_per_pass"][part] for m in modes])
         for part in parts
     ])
-    fig.update_layout(barmode="stack", title="Where a batch-1 pass spends its time", yaxis_title="ms / pass", template="plotly_white")
+    fig.update_layout(barmode="stack", title="Where a batch-1 pass spends its time", yaxis_title="ms / pass",
+                      template="plotly_white")
     return fig
 
 
@@ -108,18 +116,22 @@ def to_html(report: dict) -> str:
     if report.get("profile"):
         figures.append(pass_profile(report["profile"]))
     charts = "".join(
-        pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), default_height="460px") for i, fig in enumerate(figures)
+        pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), default_height="460px")
+        for i, fig in enumerate(figures)
     )
     machine = _html_table([[k, str(v)] for k, v in report["machine"].items()], ["", ""])
     table = _html_table([[cell(r.get(k), f) for k, _, f in COLUMNS] for r in runs], [h for _, h, _ in COLUMNS])
     style = "body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:1em 0}" \
             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}code{background:#f4f4f4;padding:2px 4px}"
+    settings = json.dumps({"settings": report.get("settings"), "profile": report.get("profile")}, indent=1)
     return (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>MARS benchmark</title><style>{style}</style></head><body>"
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>MARS benchmark</title><style>{style}</style>"
+        "</head><body>"
         f"<h1>MARS benchmark: {html.escape(str(report.get('model', '')))}</h1>"
-        f"<p>Command: <code>{html.escape(report.get('command', ''))}</code><br>Created {html.escape(report.get('created', ''))}</p>"
+        f"<p>Command: <code>{html.escape(report.get('command', ''))}</code>"
+        f"<br>Created {html.escape(report.get('created', ''))}</p>"
         f"<h2>Machine</h2>{machine}<h2>Runs</h2>{table}{charts}"
-        f"<h2>Settings and profile</h2><pre>{html.escape(json.dumps({'settings': report.get('settings'), 'profile': report.get('profile')}, indent=1))}</pre>"
+        f"<h2>Settings and profile</h2><pre>{html.escape(settings)}</pre>"
         "</body></html>"
     )
 

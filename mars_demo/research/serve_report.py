@@ -71,9 +71,11 @@ def to_html(report: dict, figures: list[go.Figure]) -> str:
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>MARS serving simulation</title><style>{style}</style>"
         f"</head><body><h1>MARS serving simulation: {html.escape(str(report.get('model', '')))}</h1>"
-        f"<p>Command: <code>{html.escape(report.get('command', ''))}</code><br>Created {html.escape(report.get('created', ''))}"
+        f"<p>Command: <code>{html.escape(report.get('command', ''))}</code>"
+        f"<br>Created {html.escape(report.get('created', ''))}"
         f"<br>{html.escape(report.get('clock', ''))}</p><h2>Totals</h2>{totals}{charts}{costs}"
-        f"<h2>Machine</h2>{machine}<h2>Settings</h2><pre>{html.escape(json.dumps(report.get('settings'), indent=1))}</pre>"
+        f"<h2>Machine</h2>{machine}<h2>Settings</h2>"
+        f"<pre>{html.escape(json.dumps(report.get('settings'), indent=1))}</pre>"
         "</body></html>"
     )
 

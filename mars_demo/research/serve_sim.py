@@ -57,7 +57,9 @@ def batch_pass_costs(
     model: PreTrainedModel, rows: tuple[int, ...] = (1, 2, 4, 8), widths: tuple[int, ...] = (1, 2, 3, 4),
     *, context: int = 128, reps: int = 5,
 ) -> list[dict]:
-    """Fastest ms (of ``reps``) of one cached pass feeding ``width`` tokens to each of ``rows`` rows after ``context`` tokens.
+    """Fastest ms (of ``reps``) of one cached pass feeding ``width`` tokens to each of ``rows`` rows.
+
+    Each row has ``context`` tokens in the cache before the pass.
 
     The attention mask and position ids are passed as the batch decoder passes them, so the
     compute path's attention runs as in a real pass. One record per (rows, width).

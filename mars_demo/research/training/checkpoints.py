@@ -81,7 +81,8 @@ def save_checkpoint(directory: Path, model, optimizer, scheduler, payload: dict)
     staging = directory / "state.pt.tmp"
     torch.save(state, staging)
     staging.replace(directory / "state.pt")
-    (directory / "state.json").write_text(json.dumps({k: payload[k] for k in ("step", "seconds", "config")}, indent=2) + "\n")
+    summary = {k: payload[k] for k in ("step", "seconds", "config")}
+    (directory / "state.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def read_checkpoint(directory: Path) -> dict:
@@ -92,7 +93,10 @@ def read_checkpoint(directory: Path) -> dict:
 
 
 def save_model(model, lm, out_dir: Path, base_spec: str, block_size: int) -> None:
-    """The trained weights in a form ``load_model(out_dir)`` reads: a fp16 adapter (or a fp16 full model) and mars.json."""
+    """The trained weights in a form ``load_model(out_dir)`` reads.
+
+    A fp16 adapter (or a fp16 full model) and mars.json.
+    """
     from safetensors.torch import load_file, save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,8 @@ def plot_losses(history: list[StepLog], path: Path, validation: list[Validation]
         ax.plot(steps, means, color=line.get_color(), linewidth=1.6, label=f"{label}, mean of {window} steps")
         held_out = [(v.step, getattr(v, name)) for v in validation if getattr(v, name, None) is not None]
         if held_out:
-            ax.plot(*zip(*held_out), "o--", color=line.get_color(), markersize=4, linewidth=0.8, label=f"{label}, held out")
+            ax.plot(*zip(*held_out), "o--", color=line.get_color(), markersize=4, linewidth=0.8,
+                    label=f"{label}, held out")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title("MARS fine-tuning")

@@ -61,7 +61,9 @@ def cuda_autocast(device: torch.device) -> torch.autocast:
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def mars_loss(model: torch.nn.Module, batch: Batch, ar_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mars_loss(
+    model: torch.nn.Module, batch: Batch, ar_weight: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, noisy_loss, ar_loss), token means; logits only where a target is."""
     logits, targets = target_logits(model, batch)
     losses = F.cross_entropy(logits, targets, reduction="none")

@@ -62,8 +62,10 @@ def validate(
     was_training = model.training
     model.eval()
     totals = dict.fromkeys(("noisy", "clean", "n_noisy", "n_clean", "agree", "p_row", "passes"), 0.0)
-    per_tau = {tau: dict.fromkeys(("accepted", "extra", "matched", "sure", "path"), 0.0) | {"reach": torch.zeros(block_size)}
-               for tau in taus}
+    per_tau = {
+        tau: dict.fromkeys(("accepted", "extra", "matched", "sure", "path"), 0.0) | {"reach": torch.zeros(block_size)}
+        for tau in taus
+    }
     try:
         for start in range(0, len(examples), batch_size):
             batch = collate(examples[start : start + batch_size], mask_id, pad_id, block_size)
@@ -74,18 +76,21 @@ def validate(
         model.train(was_training)
     return [
         Validation(
-            step=step, noisy_loss=_ratio(totals["noisy"], totals["n_noisy"]),
+            step=step, tau=tau, noisy_loss=_ratio(totals["noisy"], totals["n_noisy"]),
             ar_loss=_ratio(totals["clean"], totals["n_clean"]), ar_agreement=_ratio(totals["agree"], totals["n_clean"]),
-            tokens_per_pass=_ratio(sums["accepted"], totals["passes"]), extra_match=_ratio(sums["matched"], sums["extra"]),
-            tau=tau, reach=[_ratio(n, totals["passes"]) for n in sums["reach"][1:].tolist()] if totals["passes"] else None,
             ar_confidence=_ratio(totals["p_row"], totals["n_clean"]), ar_sure=_ratio(sums["sure"], totals["n_clean"]),
+            tokens_per_pass=_ratio(sums["accepted"], totals["passes"]),
+            extra_match=_ratio(sums["matched"], sums["extra"]),
             ar_path_tokens_per_pass=_ratio(sums["path"], totals["passes"]),
+            reach=[_ratio(n, totals["passes"]) for n in sums["reach"][1:].tolist()] if totals["passes"] else None,
         )
         for tau, sums in per_tau.items()
     ]
 
 
-def _add_batch(batch, logits: torch.Tensor, targets: torch.Tensor, block_size: int, totals: dict, per_tau: dict) -> None:
+def _add_batch(
+    batch, logits: torch.Tensor, targets: torch.Tensor, block_size: int, totals: dict, per_tau: dict
+) -> None:
     """Add one batch's losses, agreement and, at every full block, each tau's acceptance to the running sums."""
     losses = F.cross_entropy(logits, targets, reduction="none").cpu()
     conf, guess = torch.softmax(logits, dim=-1).max(dim=-1)
