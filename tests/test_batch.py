@@ -209,7 +209,8 @@ def test_token_scheme_rows_equal_the_cached_single_sequence_decoder(tiny_qwen):
     batch = collect_batch(stream_batch(tiny_qwen.model, tiny_qwen.tokenizer, ids, config,
                                        mask_id=tiny_qwen.meta.mask_token_id, block_size=4, scheme="token"))
     for row, prompt in zip(batch.token_ids, ids):
-        alone = collect(stream(tiny_qwen.model, tiny_qwen.tokenizer, prompt, config, mask_id=tiny_qwen.meta.mask_token_id, block_size=4))
+        alone = collect(stream(tiny_qwen.model, tiny_qwen.tokenizer, prompt, config,
+                               mask_id=tiny_qwen.meta.mask_token_id, block_size=4))
         assert row == alone.token_ids
 
 

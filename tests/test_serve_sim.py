@@ -37,14 +37,17 @@ def test_percentile():
 
 
 def test_simulation_on_a_tiny_model(tiny_qwen):
-    config = SimConfig(rate=50.0, requests=8, policies=("fixed:1.0", "fixed:0.15", "adaptive"), max_batch=3, max_new_tokens=12)
+    config = SimConfig(
+        rate=50.0, requests=8, policies=("fixed:1.0", "fixed:0.15", "adaptive"), max_batch=3, max_new_tokens=12
+    )
     pool = [prompt_ids(tiny_qwen.tokenizer, p) for p in PROMPTS]
     result = simulate(tiny_qwen, config, pool, base=tiny_qwen.model)
     names = [p["summary"]["policy"] for p in result["policies"]]
     assert names == ["fixed:1", "fixed:0.15", "adaptive"]
     for policy in result["policies"]:
         s = policy["summary"]
-        assert s["done"] == 8 and s["stopped"] == s["error"] == 0 and s["latency_p50"] <= s["latency_p95"] <= s["latency_p99"]
+        assert s["done"] == 8 and s["stopped"] == s["error"] == 0
+        assert s["latency_p50"] <= s["latency_p95"] <= s["latency_p99"]
         assert len(policy["requests"]) == 8 and all(r["passes"] for r in policy["requests"])
         assert len(policy["series"]["clock"]) == s["iterations"]
     ref = result["policies"][0]["summary"]
@@ -64,8 +67,9 @@ def test_cli_writes_json_and_self_contained_html(model_dir, tmp_path, capsys):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps(PROMPTS))
     out = tmp_path / "sim"
-    code = main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "6", "--policies", "fixed:1.0,latency:0.5",
-                 "--prompts", str(prompts), "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
+    code = main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "6",
+                 "--policies", "fixed:1.0,latency:0.5", "--prompts", str(prompts),
+                 "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
                  "--precision", "fp32", "--base", model_dir, "--pass-costs"])
     assert code == 0
     report = json.loads((out / "serve-sim.json").read_text())
@@ -81,8 +85,9 @@ def test_cli_cost_model_clocks(model_dir, tmp_path, clock):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps(PROMPTS))
     out = tmp_path / "sim"
-    assert main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "5", "--policies", "fixed:1.0,fixed:0.2",
-                 "--prompts", str(prompts), "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
+    assert main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "5",
+                 "--policies", "fixed:1.0,fixed:0.2", "--prompts", str(prompts),
+                 "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
                  "--precision", "fp32", "--no-quality", "--clock", clock]) == 0
     report = json.loads((out / "serve-sim.json").read_text())
     assert report["clock"].startswith("cost model") and report["curve_ms"]

@@ -138,7 +138,10 @@ def all_logits(model, batch) -> torch.Tensor:
 
 @pytest.mark.parametrize("block", [2, 4])
 def test_streams_match_what_decoding_sees(tiny_lm, block):
-    """Clean stream = plain forward of x; noisy slot i = a causal forward of clean[:block start] + noisy[block start..i]."""
+    """Clean stream = plain forward of x.
+
+    Noisy slot i = a causal forward of clean[:block start] + noisy[block start..i].
+    """
     model, mask_id = tiny_lm.model, tiny_lm.meta.mask_token_id
     exs = [example(6, 9), example(3, 4, offset=40)]  # two rows: padding in both streams
     batch = collate(exs, mask_id, pad_id=0, block_size=block)
@@ -230,7 +233,10 @@ def test_validation_is_what_decoding_would_accept(tiny_lm, block):
         _, noisy_loss, ar_loss = mars_loss(model, collate(exs, mask_id, 0, block))
     assert (result.noisy_loss, result.ar_loss) == pytest.approx((noisy_loss.item(), ar_loss.item()), abs=1e-4)
     agree = [
-        (logits_of(model, list(ex.prompt + ex.response))[len(ex.prompt) - 1 : -1].argmax(-1) == torch.tensor(ex.response)).tolist()
+        (
+            logits_of(model, list(ex.prompt + ex.response))[len(ex.prompt) - 1 : -1].argmax(-1)
+            == torch.tensor(ex.response)
+        ).tolist()
         for ex in exs
     ]
     assert result.ar_agreement == pytest.approx(sum(map(sum, agree)) / sum(map(len, agree)), abs=1e-4)
@@ -245,7 +251,8 @@ def test_validation_is_what_decoding_would_accept(tiny_lm, block):
     gap, k = max((p_row[k + 1] - p_row[k], k) for k in range(len(p_row) // 4, 3 * len(p_row) // 4))
     assert gap > 1e-4
     tau_ar = (p_row[k] + p_row[k + 1]) / 2  # between a quarter and three quarters of the tokens are that sure
-    # the AR path reference: each full block at p as if candidate j's confidence were P(x_p..x_{p+j-1}) under the AR head
+    # the AR path reference: each full block at p as if candidate j's confidence were P(x_p..x_{p+j-1})
+    # under the AR head
     paths = []
     for ex in exs:
         x, n_prompt = list(ex.prompt + ex.response), len(ex.prompt)
@@ -271,7 +278,8 @@ def test_validation_is_what_decoding_would_accept(tiny_lm, block):
     for key, value in vars(result).items():
         assert getattr(one_by_one, key) == (0 if key == "step" else pytest.approx(value, abs=2e-4)), key
     assert plain.tokens_per_pass == 1.0 and plain.extra_match is None  # tau = 1.0: one token per pass
-    assert (plain.ar_loss, plain.ar_agreement, plain.ar_confidence) == (result.ar_loss, result.ar_agreement, result.ar_confidence)
+    expected = (result.ar_loss, result.ar_agreement, result.ar_confidence)
+    assert (plain.ar_loss, plain.ar_agreement, plain.ar_confidence) == expected
 
 
 # ----------------------------------------------------------------------------- data order
@@ -361,7 +369,8 @@ def test_adapter_round_trip_tied_embeddings(tmp_path, base_dir):
     out = tmp_path / "run"
     result = train(lm, examples, TrainConfig(max_steps=3, **FAST), out, base_spec=base_dir, progress=False)
 
-    for name in ("adapter_config.json", "adapter_model.safetensors", "mars.json", "loss.jsonl", "loss.png", "training.json"):
+    files = ("adapter_config.json", "adapter_model.safetensors", "mars.json", "loss.jsonl", "loss.png", "training.json")
+    for name in files:
         assert (out / name).is_file(), name
     assert {v.dtype for v in load_file(out / "adapter_model.safetensors").values()} == {torch.float16}
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base_dir
@@ -407,7 +416,9 @@ def trained_state(model) -> dict[str, torch.Tensor]:
 def test_resume_continues_exactly(tmp_path):
     config = TrainConfig(max_steps=6, **(FAST | {"save_every": 2, "batch_size": 3, "grad_accum": 2}))
     rows = tiny_rows(make_tokenizer("<|mask|>"), count=7)
-    straight = train(make_lm("qwen2"), load_examples(rows, 128), config, tmp_path / "a", base_spec="tiny", progress=False)
+    straight = train(
+        make_lm("qwen2"), load_examples(rows, 128), config, tmp_path / "a", base_spec="tiny", progress=False
+    )
 
     out = tmp_path / "b"
     cut = train(make_lm("qwen2"), load_examples(rows, 128), config, out, base_spec="tiny", progress=False, stop_after=3)
@@ -419,7 +430,8 @@ def test_resume_continues_exactly(tmp_path):
 
     assert [h.step for h in resumed.history] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(straight.history, resumed.history):
-        assert (a.loss, a.noisy_loss, a.ar_loss, a.lr) == pytest.approx((b.loss, b.noisy_loss, b.ar_loss, b.lr), abs=1e-5)
+        expected = pytest.approx((b.loss, b.noisy_loss, b.ar_loss, b.lr), abs=1e-5)
+        assert (a.loss, a.noisy_loss, a.ar_loss, a.lr) == expected
     ours, theirs = trained_state(straight.model), trained_state(resumed.model)
     assert ours.keys() == theirs.keys()
     for name in ours:
@@ -440,7 +452,9 @@ def test_validation_during_training_logs_and_resumes(tmp_path):
     tokenizer = make_tokenizer("<|mask|>")
     examples, held_out = load_examples(tiny_rows(tokenizer, 6), 128), load_examples(held_out_rows(tokenizer), 128)
     config = TrainConfig(max_steps=5, **(FAST | {"save_every": 2}))
-    kwargs = {"base_spec": "tiny", "progress": False, "val_examples": held_out, "val_every": 2, "val_data": "held.jsonl"}
+    kwargs = {
+        "base_spec": "tiny", "progress": False, "val_examples": held_out, "val_every": 2, "val_data": "held.jsonl"
+    }
     straight = train(make_lm("qwen2"), examples, config, tmp_path / "a", **kwargs)
     assert [v.step for v in straight.validation] == [0, 2, 4, 5]
     first, last = straight.validation[0], straight.validation[-1]
@@ -456,7 +470,8 @@ def test_validation_during_training_logs_and_resumes(tmp_path):
     assert [v.step for v in resumed.validation] == [0, 2, 4, 5]
     assert [json.loads(line)["step"] for line in (out / "val.jsonl").read_text().splitlines()] == [0, 2, 4, 5]
     for a, b in zip(straight.validation, resumed.validation):
-        assert (a.noisy_loss, a.ar_loss, a.ar_agreement) == pytest.approx((b.noisy_loss, b.ar_loss, b.ar_agreement), abs=1e-3)
+        expected = pytest.approx((b.noisy_loss, b.ar_loss, b.ar_agreement), abs=1e-3)
+        assert (a.noisy_loss, a.ar_loss, a.ar_agreement) == expected
 
     quiet = train(make_lm("qwen2"), examples, config, tmp_path / "c", base_spec="tiny", progress=False)
     assert quiet.validation == [] and not (tmp_path / "c" / "val.jsonl").exists()
@@ -532,12 +547,15 @@ def test_train_command(tmp_path, base_dir, capsys):
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps(row) + "\n" for row in held_out_rows(tokenizer)))
     validated = tmp_path / "validated"
-    assert cli.main(argv[:6] + [str(validated), "--val-data", str(held), "--val-every", "1", "--val-rows", "2"] + argv[7:]) == 0
+    flags = ["--val-data", str(held), "--val-every", "1", "--val-rows", "2"]
+    assert cli.main(argv[:6] + [str(validated), *flags] + argv[7:]) == 0
     assert "held out (step 2)" in capsys.readouterr().out
     assert [json.loads(line)["step"] for line in (validated / "val.jsonl").read_text().splitlines()] == [0, 1, 2]
     assert json.loads((validated / "training.json").read_text())["val_examples"] == 2
     logged = json.loads((validated / "training.json").read_text())["validation"]
-    assert cli.main(["validate", "--model", str(validated), "--data", str(held), "--rows", "2", "--taus", "0.9,1", "--json"]) == 0
+    assert cli.main([
+        "validate", "--model", str(validated), "--data", str(held), "--rows", "2", "--taus", "0.9,1", "--json",
+    ]) == 0
     at_09, at_1 = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert at_1["tokens_per_pass"] == 1.0 and at_09["tau"] == 0.9 and at_09["rows"] == 2
     for key in ("noisy_loss", "ar_loss", "tokens_per_pass"):  # the saved (fp16) adapter measures what training logged
@@ -548,7 +566,8 @@ def test_train_command(tmp_path, base_dir, capsys):
     assert cli.main(["validate", "--model", str(validated), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert cli.main(argv[:6] + [str(tmp_path / "leak"), "--val-data", str(data)] + argv[7:]) == 2
     assert "held-out prompts" in capsys.readouterr().err
-    assert cli.main(argv[:6] + [str(tmp_path / "nowhere"), "--val-data", str(tmp_path / "missing.jsonl")] + argv[7:]) == 2
+    missing = [str(tmp_path / "nowhere"), "--val-data", str(tmp_path / "missing.jsonl")]
+    assert cli.main(argv[:6] + missing + argv[7:]) == 2
 
     baseline = tmp_path / "ar-sft"
     assert cli.main(argv[:6] + [str(baseline), "--objective", "ar"] + argv[7:]) == 0
