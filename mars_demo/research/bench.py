@@ -82,7 +82,7 @@ class BenchConfig:
         unknown = set(self.methods) - set(METHODS)
         if unknown:
             raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; known: {', '.join(METHODS)}")
-        # same checks
+        # the same checks a decode with these settings gets
         DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens, max_fed=self.max_fed)
 
 
