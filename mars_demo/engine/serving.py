@@ -11,6 +11,8 @@ rows, recent latency, the oldest request's wait) and sets the tau of the next pa
 paper's serving claim, a lower tau when requests pile up, with no model swap. Policies:
   fixed:T           tau = T always (fixed:1.0 is batched greedy AR: no masks are fed).
   ladder:Q=T,...    queue-depth ladder: the tau of the highest step Q <= requests waiting.
+  demand:N=T,...    the same ladder on the requests in the system (running + waiting): the app's
+                    live shared batch (engine/live.py), where a few users share a few rows.
   latency:S         latency target: one level down (LEVELS) while the recent latency or the
                     oldest wait exceeds S seconds, one level up once both are below S / 2.
   adaptive          the default, ``DEFAULT_LADDER``: tau 1.0 while nobody waits, then
@@ -71,18 +73,23 @@ class Fixed:
 
 
 class Ladder:
-    """tau of the highest step whose queue depth the waiting requests reach."""
+    """tau of the highest step the waiting requests reach (``demand``: the running and waiting requests)."""
 
-    def __init__(self, steps: Sequence[tuple[int, float]] = DEFAULT_LADDER, name: str | None = None) -> None:
+    def __init__(
+        self, steps: Sequence[tuple[int, float]] = DEFAULT_LADDER, name: str | None = None, demand: bool = False,
+    ) -> None:
         if not steps or any(int(q) != q or q < 0 for q, _ in steps):
             raise ValueError("ladder steps need queue depths that are integers of at least 0")
         self.steps = tuple(sorted((int(q), check_tau(t)) for q, t in steps))
         if self.steps[0][0] != 0:
             self.steps = ((0, 1.0), *self.steps)
-        self.name = name or "ladder:" + ",".join(f"{q}={t:g}" for q, t in self.steps)
+        self.demand = demand
+        kind = "demand:" if demand else "ladder:"
+        self.name = name or kind + ",".join(f"{q}={t:g}" for q, t in self.steps)
 
     def __call__(self, load: Load) -> float:
-        return [t for q, t in self.steps if load.queue >= q][-1]
+        level = load.queue + load.running if self.demand else load.queue
+        return [t for q, t in self.steps if level >= q][-1]
 
 
 class LatencyTarget:
@@ -106,14 +113,14 @@ class LatencyTarget:
 
 Policy = Callable[[Load], float]
 PassCost = Callable[[int, int, str, float], float]  # (rows, columns per row, "prefill" | "decode", measured s) -> s
-POLICY_HELP = "fixed:T (0 <= T <= 1), ladder[:Q=T,...], latency:SECONDS, adaptive (= the default ladder)"
+POLICY_HELP = "fixed:T (0 <= T <= 1), ladder[:Q=T,...], demand:N=T,..., latency:SECONDS, adaptive (= the default ladder)"
 
 
 def split_policies(text: str) -> list[str]:
     """Comma-separated policy specs; a ladder's own "Q=T" steps stay with it ("fixed:1,ladder:0=1,4=0.9")."""
     specs: list[str] = []
     for part in (p.strip() for p in (text or "").split(",")):
-        if specs and specs[-1].startswith("ladder:") and re.fullmatch(r"\d+\s*=.*", part):
+        if specs and specs[-1].startswith(("ladder:", "demand:")) and re.fullmatch(r"\d+\s*=.*", part):
             specs[-1] += "," + part
         elif part:
             specs.append(part)
@@ -131,6 +138,8 @@ def parse_policy(text: str) -> Policy:
         if name == "ladder":
             steps = [part.split("=") for part in arg.split(",")] if arg else DEFAULT_LADDER
             return Ladder([(int(q), float(t)) for q, t in steps])
+        if name == "demand" and arg:
+            return Ladder([(int(q), float(t)) for q, t in (part.split("=") for part in arg.split(","))], demand=True)
         if name == "latency" and arg:
             return LatencyTarget(float(arg))
     except ValueError as err:
@@ -156,6 +165,7 @@ class PassStep:
     tau: float
     tokens: tuple[int, ...]
     clock: float  # the loop's clock when the pass ended
+    confidences: tuple[float, ...] = ()  # of each accepted token
 
 
 @dataclass
@@ -263,6 +273,13 @@ class ServingLoop:
             del self.rows[row]
         self._end(served, "stopped", None)
 
+    def release(self, request_id: int) -> Served:
+        """Forget an ended request (a long-lived loop, engine/live.py, keeps only what is in flight)."""
+        if not self.served[request_id].ended:
+            raise ValueError(f"request {request_id} has not ended")
+        del self.finished[:-RECENT]
+        return self.served.pop(request_id)
+
     def stop_all(self) -> None:
         for request_id in [*self.queue, *self.rows.values()]:
             self.stop(request_id)
@@ -355,7 +372,7 @@ class ServingLoop:
             if served.ended:
                 continue
             served.token_ids += step.token_ids
-            served.trace.append(PassStep(self.passes, kind, tau, tuple(step.token_ids), self.clock))
+            served.trace.append(PassStep(self.passes, kind, tau, tuple(step.token_ids), self.clock, tuple(step.confidences)))
             if step.token_ids and served.first_token is None:
                 served.first_token = self.clock
             if step.finish:
