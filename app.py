@@ -45,6 +45,7 @@ from mars_demo.ui.handlers import (
     DemoHandlers,
     empty_figures,
 )
+from mars_demo.ui.live import LIVE_CSS, LIVE_OUTPUTS, LiveHandlers, LiveState, live_cleanup
 from mars_demo.ui.models import Loader, ModelPolicy
 from mars_demo.ui.race import Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
@@ -278,6 +279,35 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
     c["sweep_stop"].click(None, None, None, cancels=[sweep_event])
 
 
+def _live_section(intro: str) -> dict:
+    """The Serving tab's live part: a prompt into the shared batch, Send / Stop, this visitor's stream and tau."""
+    c = {"live_state": gr.State(lambda: LiveState())}
+    gr.Markdown(intro, elem_id="live-intro")
+    with gr.Row(equal_height=True):
+        c["live_prompt"] = gr.Textbox(label="Prompt for the shared batch", lines=2, max_lines=6, scale=5,
+                                      placeholder="Ask anything: it decodes together with the other visitors' prompts.",
+                                      elem_id="live-prompt")
+        with gr.Column(scale=1, min_width=130):
+            c["live_send"] = gr.Button("Send", variant="primary", elem_id="live-send")
+            c["live_stop"] = gr.Button("Stop", variant="stop", elem_id="live-stop")
+    c["live_status"] = gr.HTML("", css_template=LIVE_CSS, js_on_load=None, elem_id="live-status")
+    with gr.Row(equal_height=False):
+        with gr.Column(min_width=380):
+            c["live_pane"] = gr.HTML(mars_pane([]), css_template=PANE_CSS, js_on_load=PANE_JS, elem_id="live-pane")
+        with gr.Column(min_width=380):
+            c["live_plot"] = _plot(empty_figures()["pass_plot"], "live-plot")
+    return c
+
+
+def _wire_live(live: LiveHandlers, c: dict) -> None:
+    """Send is not queued behind races (the shared batch bounds itself: rows, queue); Stop never queues."""
+    inputs = [c["live_prompt"], c["model"], c["live_state"]]
+    outputs = [c[name] for name in LIVE_OUTPUTS]
+    for trigger in (c["live_send"].click, c["live_prompt"].submit):
+        trigger(live.send, inputs, outputs, concurrency_limit=None, show_progress="hidden")
+    c["live_stop"].click(live.stop, [c["live_state"]], None, concurrency_limit=None, show_progress="hidden")
+
+
 def build_demo(
     loader: Loader = load_for_decoding,
     *,
@@ -295,6 +325,7 @@ def build_demo(
     gr.set_static_paths([traces.directory])  # served in place: a removed trace's URL goes with it
     handlers = DemoHandlers(loader, capacity=capacity, policy=policy, traces=traces)
     forget_session, forget_tab = session_cleanup(traces)
+    live = None if on_zero_gpu() else LiveHandlers(handlers)  # ZeroGPU decodes in a forked worker per call
 
     with gr.Blocks(title="MARS · multi-token generation", fill_width=True, delete_cache=(3600, 3600)) as demo:
         # A new Session (its own LiveTau) per browser session; its trace files go when the tab closes.
@@ -308,14 +339,20 @@ def build_demo(
                 components |= _sweep_tab()
             with gr.Tab("Serving", id="serving"):
                 components |= _serving_tab()
+                if live is not None:
+                    components |= _live_section(live.intro())
         _wire(demo, handlers, components, session, concurrency)
         serving = ServingHandlers(handlers)
         _wire_serving(serving, components, concurrency)
         demo.unload(forget_tab)
+        if live is not None:
+            _wire_live(live, components)
+            demo.unload(live_cleanup(live.batches))
 
     demo.queue(default_concurrency_limit=concurrency, max_size=64)
     demo.handlers = handlers  # for tests and notebooks: the model cache and the handlers behind the UI
     demo.serving = serving  # the Serving tab's handlers
+    demo.live = live  # the Serving tab's live shared batch (None on ZeroGPU)
     demo.components = components  # every component by name
     return demo
 

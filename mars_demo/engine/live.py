@@ -92,6 +92,10 @@ class LiveRequest:
     def ended(self) -> bool:
         return self._ended.is_set()
 
+    def __deepcopy__(self, memo) -> LiveRequest:
+        """A handle on a request in flight, never duplicated (a copied session state must not copy the model)."""
+        return self
+
     def cancel(self) -> None:
         """Leave at the next pass boundary (nothing once ended)."""
         if not self.ended:
@@ -285,14 +289,22 @@ class SharedBatches:
     def submit(self, lm: LoadedModel, prompt: Sequence[int], owner: str | None = None) -> LiveRequest:
         """Queue a prompt in ``lm``'s shared batch (``Busy`` when full)."""
         with self._lock:
-            batch = self._batches.get(id(lm.model))
-            if batch is not None and batch.model is lm.model:
-                try:
-                    return batch.submit(prompt, owner)
-                except Retired:
-                    pass  # its worker went idle just now: a fresh batch below
+            try:
+                return self._current(lm).submit(prompt, owner)
+            except Retired:  # its worker went idle just now: a fresh batch
+                del self._batches[id(lm.model)]
+                return self._current(lm).submit(prompt, owner)
+
+    def batch_for(self, lm: LoadedModel) -> SharedBatch:
+        """``lm``'s shared batch, made if there is none (``paused`` on it holds every pass)."""
+        with self._lock:
+            return self._current(lm)
+
+    def _current(self, lm: LoadedModel) -> SharedBatch:
+        batch = self._batches.get(id(lm.model))
+        if batch is None or batch.model is not lm.model or batch.retired:
             batch = self._batches[id(lm.model)] = self._new(lm)
-            return batch.submit(prompt, owner)
+        return batch
 
     def _new(self, lm: LoadedModel) -> SharedBatch:
         c = self.config
