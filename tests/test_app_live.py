@@ -18,7 +18,7 @@ from mars_demo.engine.loading import BUNDLED, ModelLoadError
 from mars_demo.engine.prompts import prompt_ids
 from mars_demo.engine.serving import PassStep, ServeConfig
 from mars_demo.ui.handlers import DemoHandlers, named
-from mars_demo.ui.live import BUSY_LIVE, LIVE_OUTPUTS, LiveHandlers, LiveState, LiveView
+from mars_demo.ui.live import BUSY_LIVE, LIVE_OUTPUTS, LiveHandlers, LiveState, LiveView, batches_from_env
 from mars_demo.ui.models import ModelPolicy, model_choices
 
 NEW = 16
@@ -178,3 +178,15 @@ def test_generated_text_is_escaped(tiny_qwen):
     pane = named(LIVE_OUTPUTS, view.outputs("fixed:0.9", True))["live_pane"]
     assert "<script" not in pane and "&lt;" in pane and "tau 0.90" in pane
     assert pane_text(pane) == "<script>alert(1)</script>"  # shown as text
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MARS_DEMO_LIVE_ROWS": "0"}, "MARS_DEMO_LIVE_ROWS must be 1-16"),
+    ({"MARS_DEMO_LIVE_QUEUE": "many"}, "MARS_DEMO_LIVE_QUEUE 0-64"),
+    ({"MARS_DEMO_LIVE_POLICY": "turbo"}, "unknown policy 'turbo'"),
+])
+def test_bad_live_settings_fail_at_start_with_one_line(env, message):
+    with pytest.raises(ValueError, match=message):
+        batches_from_env(env)
+    batches = batches_from_env({"MARS_DEMO_LIVE_ROWS": "2", "MARS_DEMO_LIVE_POLICY": "fixed:0.9"})
+    assert (batches.config.max_batch, batches.max_queue, batches.policy) == (2, 4, "fixed:0.9")

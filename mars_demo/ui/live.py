@@ -59,9 +59,10 @@ class LiveState:
 
 def batches_from_env(env: Mapping[str, str] = os.environ) -> SharedBatches:
     """The shared batches with MARS_DEMO_LIVE_ROWS (default 4), _QUEUE (4) and _POLICY (engine.live.LIVE_POLICY)."""
-    rows, waiting = int(env.get("MARS_DEMO_LIVE_ROWS", "4")), int(env.get("MARS_DEMO_LIVE_QUEUE", "4"))
-    if not 1 <= rows <= 16 or not 0 <= waiting <= 64:
-        raise ValueError(f"MARS_DEMO_LIVE_ROWS must be 1-16 and MARS_DEMO_LIVE_QUEUE 0-64, got {rows} and {waiting}")
+    rows, waiting = env.get("MARS_DEMO_LIVE_ROWS", "4"), env.get("MARS_DEMO_LIVE_QUEUE", "4")
+    if not (rows.isdigit() and 1 <= int(rows) <= 16 and waiting.isdigit() and int(waiting) <= 64):
+        raise ValueError(f"MARS_DEMO_LIVE_ROWS must be 1-16 and MARS_DEMO_LIVE_QUEUE 0-64, got {rows!r} and {waiting!r}")
+    rows, waiting = int(rows), int(waiting)
     return SharedBatches(ServeConfig(max_batch=rows, max_new_tokens=LIVE_NEW_TOKENS),
                          policy=env.get("MARS_DEMO_LIVE_POLICY", LIVE_POLICY), max_queue=waiting, idle=30.0)
 
@@ -95,7 +96,7 @@ class LiveView:
         if u is None or u.status == "waiting":
             return "Waiting for a free row in the shared batch…"
         tokens = sum(len(s.token_ids) for s in self.steps)
-        tau = f"tau {self.steps[-1].tau:g} on your latest pass" if self.steps else "no pass yet"
+        tau = f"tau {self.steps[-1].tau:.2f} on your latest pass" if self.steps else "no pass yet"
         if u.status == "running":
             load = u.load
             sharing = f"{load.running} request(s) decoding, {load.queue} waiting" if load is not None else ""
