@@ -280,7 +280,9 @@ class SharedBatch:
 class SharedBatches:
     """One SharedBatch per loaded model, made on first use and dropped when its worker retires."""
 
-    def __init__(self, config: ServeConfig, *, policy: str = LIVE_POLICY, max_queue: int = 4, idle: float = 10.0) -> None:
+    def __init__(
+        self, config: ServeConfig, *, policy: str = LIVE_POLICY, max_queue: int = 4, idle: float = 10.0,
+    ) -> None:
         parse_policy(policy)  # a bad spec fails here, once
         self.config, self.policy, self.max_queue, self.idle = config, policy, max_queue, idle
         self._batches: dict[int, SharedBatch] = {}

@@ -113,7 +113,9 @@ class LatencyTarget:
 
 Policy = Callable[[Load], float]
 PassCost = Callable[[int, int, str, float], float]  # (rows, columns per row, "prefill" | "decode", measured s) -> s
-POLICY_HELP = "fixed:T (0 <= T <= 1), ladder[:Q=T,...], demand:N=T,..., latency:SECONDS, adaptive (= the default ladder)"
+POLICY_HELP = (
+    "fixed:T (0 <= T <= 1), ladder[:Q=T,...], demand:N=T,..., latency:SECONDS, adaptive (= the default ladder)"
+)
 
 
 def split_policies(text: str) -> list[str]:
@@ -372,7 +374,9 @@ class ServingLoop:
             if served.ended:
                 continue
             served.token_ids += step.token_ids
-            served.trace.append(PassStep(self.passes, kind, tau, tuple(step.token_ids), self.clock, tuple(step.confidences)))
+            served.trace.append(
+                PassStep(self.passes, kind, tau, tuple(step.token_ids), self.clock, tuple(step.confidences))
+            )
             if step.token_ids and served.first_token is None:
                 served.first_token = self.clock
             if step.finish:

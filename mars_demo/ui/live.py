@@ -61,7 +61,9 @@ def batches_from_env(env: Mapping[str, str] = os.environ) -> SharedBatches:
     """The shared batches with MARS_DEMO_LIVE_ROWS (default 4), _QUEUE (4) and _POLICY (engine.live.LIVE_POLICY)."""
     rows, waiting = env.get("MARS_DEMO_LIVE_ROWS", "4"), env.get("MARS_DEMO_LIVE_QUEUE", "4")
     if not (rows.isdigit() and 1 <= int(rows) <= 16 and waiting.isdigit() and int(waiting) <= 64):
-        raise ValueError(f"MARS_DEMO_LIVE_ROWS must be 1-16 and MARS_DEMO_LIVE_QUEUE 0-64, got {rows!r} and {waiting!r}")
+        raise ValueError(
+            f"MARS_DEMO_LIVE_ROWS must be 1-16 and MARS_DEMO_LIVE_QUEUE 0-64, got {rows!r} and {waiting!r}"
+        )
     rows, waiting = int(rows), int(waiting)
     return SharedBatches(ServeConfig(max_batch=rows, max_new_tokens=LIVE_NEW_TOKENS),
                          policy=env.get("MARS_DEMO_LIVE_POLICY", LIVE_POLICY), max_queue=waiting, idle=30.0)
@@ -161,7 +163,7 @@ class LiveHandlers:
             try:
                 yield from self._stream(live, state.view, request)
             finally:
-                live.cancel()  # a closed page or a cancelled event: out of the batch at the next pass (no-op once ended)
+                live.cancel()  # a closed page or a cancelled event: out at the next pass (no-op once ended)
                 trim_heap()
 
     def _stream(self, live: LiveRequest, view: LiveView, request: gr.Request | None) -> Iterator[tuple]:
@@ -190,7 +192,7 @@ class LiveHandlers:
 
 
 def live_cleanup(batches: SharedBatches):
-    """The unload handler: a plain function (Gradio copies bound methods' objects) that cancels a closed tab's requests."""
+    """The unload handler: cancels a closed tab's requests (a plain function: Gradio copies a method's object)."""
 
     def forget_live(request: gr.Request) -> None:
         batches.cancel_owner(request.session_hash)
