@@ -96,7 +96,7 @@ class LiveView:
     def status_text(self, policy: str) -> str:
         u = self.last
         if u is None or u.status == "waiting":
-            return "Waiting for a free row in the shared batch…"
+            return "Waiting to join the shared batch (at the next pass boundary with a free row)…"
         tokens = sum(len(s.token_ids) for s in self.steps)
         tau = f"tau {self.steps[-1].tau:.2f} on your latest pass" if self.steps else "no pass yet"
         if u.status == "running":
