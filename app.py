@@ -17,7 +17,8 @@ comma-separated), MARS_DEMO_ANY_MODEL (accept typed local paths and hub ids: def
 locally, off on a Space or when GRADIO_SERVER_NAME is not a local address),
 MARS_DEMO_TRACE_DIR (the trace folder), MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_AGE (the
 bound on trace files: count and seconds), MARS_DEMO_SESSIONS (sessions whose state Gradio keeps),
-MARS_DEMO_MEMORY_MARGIN_MB (memory a model load must leave free), MARS_DEMO_MALLOC_TRIM.
+MARS_DEMO_MEMORY_MARGIN_MB (memory a model load must leave free), MARS_DEMO_MALLOC_TRIM,
+MARS_DEMO_PRECISION (the sidebar's first compute path on a CPU: auto, fp32, bf16 or int8).
 
 Gradio deep-copies the component config on every page load, so nothing in it may reach
 the model: the state's delete callback and the unload handler are plain functions that
@@ -46,7 +47,7 @@ from mars_demo.ui.handlers import (
     empty_figures,
 )
 from mars_demo.ui.live import LIVE_CSS, LIVE_OUTPUTS, LiveHandlers, LiveState, live_cleanup
-from mars_demo.ui.models import Loader, ModelPolicy
+from mars_demo.ui.models import COMPUTE_CHOICES, Loader, ModelPolicy, default_compute_path
 from mars_demo.ui.race import Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
 from mars_demo.ui.serving import (
@@ -61,6 +62,7 @@ from mars_demo.ui.serving import (
 from mars_demo.ui.traces import TraceStore, stem
 from mars_demo.ui.zerogpu import RUN_SECONDS, SWEEP_SECONDS, gpu_handler, on_zero_gpu, zero_gpu_load
 
+logger = logging.getLogger(__name__)
 DEFAULTS = DecodeConfig()
 SWEEP_TAUS = (0.99, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.3)
 SWEEP_DEFAULT_TAUS = [0.95, 0.9, 0.8, 0.7, 0.5]
@@ -114,7 +116,20 @@ def session_cleanup(traces: TraceStore) -> tuple[Callable, Callable]:
     return forget_session, forget_tab
 
 
-def _sidebar(policy: ModelPolicy) -> dict:
+def _compute_path(gpu: bool) -> gr.Dropdown:
+    """The CPU compute path (checked by the handlers as ``--precision`` is; custom values reach them for that)."""
+    value, problem = default_compute_path()
+    if problem:
+        logger.warning("%s", problem)
+    info = ("auto measures this CPU once and picks the fastest path that keeps quality; MARS and AR always "
+            "share it. The model line shows its cost curve.")
+    if gpu:
+        info = "Not used on a GPU: CUDA decodes in bf16 (MARS_DEMO_PRECISION=fp32 keeps fp32)."
+    return gr.Dropdown(choices=list(COMPUTE_CHOICES), value=value, allow_custom_value=True, label="Compute path",
+                       info=info, interactive=not gpu, elem_id="precision")
+
+
+def _sidebar(policy: ModelPolicy, gpu: bool = False) -> dict:
     """The settings every run reads, by name."""
     c = {}
     with gr.Sidebar(label="Settings", width=340):
@@ -125,6 +140,7 @@ def _sidebar(policy: ModelPolicy) -> dict:
             info="Pick one, or type a local path or hub id." if policy.free else "Pick one.", elem_id="model",
         )
         c["model_line"] = gr.HTML(css_template=STATUS_CSS, js_on_load=None, elem_id="model-status")
+        c["precision"] = _compute_path(gpu)
         c["mode"] = gr.Radio(
             [("MARS (confidence)", "mars"), ("Exact (verified)", "exact"), ("Hybrid", "hybrid")], value="mars",
             label="Decoding", elem_id="mode",
@@ -244,7 +260,7 @@ def _serving_tab() -> dict:
 def _wire_serving(serving: ServingHandlers, c: dict, concurrency: int) -> None:
     """Run shares the race's decoding slot (so a run blocks races for at most its time limit); Stop never queues."""
     names = ["serve_arrivals", "serve_rate", "serve_policies", "serve_extra", "serve_requests", "serve_time_limit",
-             "serve_max_batch", "serve_max_new", "model", "serve_state"]
+             "serve_max_batch", "serve_max_new", "model", "serve_state", "precision"]
     outputs = ["serve_status", "serve_tau", "serve_queue", "serve_throughput", "serve_latency", "serve_totals"]
     c["serve_run"].click(serving.run, [c[n] for n in names], [c[n] for n in outputs], concurrency_limit=concurrency,
                          concurrency_id="decode", show_progress_on=[c["serve_status"]])
@@ -255,8 +271,8 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
     """Every event, its inputs and outputs by name; the handlers' outputs come in the order of *_OUTPUTS."""
     pick = lambda names: [c[n] for n in names]
     race = pick(RACE_OUTPUTS)
-    for trigger in (demo.load, c["model"].change):
-        trigger(handlers.show_model, [c["model"], session], pick(MODEL_OUTPUTS), concurrency_limit=None,
+    for trigger in (demo.load, c["model"].change, c["precision"].change):
+        trigger(handlers.show_model, [c["model"], session, c["precision"]], pick(MODEL_OUTPUTS), concurrency_limit=None,
                 show_progress="minimal")
     # Never queued behind a run: the running generator reads the new value before its next pass.
     c["tau"].change(handlers.set_tau, [c["tau"], session], None, concurrency_limit=None, show_progress="hidden",
@@ -264,13 +280,13 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
     settings = pick(("model", "tau", "block_size", "max_new_tokens", "metric", "temperature", "full_window", "with_ar"))
     run_event = gr.on(
         [c["run"].click, c["prompt"].submit], gpu_handler(handlers.run, RUN_SECONDS),
-        [c["prompt"], *settings, session, c["mode"]], race,
+        [c["prompt"], *settings, session, c["mode"], c["precision"]], race,
         concurrency_limit=concurrency, concurrency_id="decode",
         show_progress="minimal", show_progress_on=[c["mars_pane"]],  # queue position and timer, no overlay
     )
     c["stop"].click(handlers.stop, [session], race, cancels=[run_event], concurrency_limit=None)
     sweep_inputs = ("sweep_prompts", "sweep_taus", "sweep_tokens", "model", "block_size", "metric", "temperature",
-                    "full_window")
+                    "full_window", "precision")
     sweep_event = c["sweep_run"].click(
         gpu_handler(handlers.sweep, SWEEP_SECONDS), pick(sweep_inputs), pick(SWEEP_OUTPUTS),
         concurrency_limit=concurrency, concurrency_id="decode",
@@ -330,7 +346,7 @@ def build_demo(
     with gr.Blocks(title="MARS · multi-token generation", fill_width=True, delete_cache=(3600, 3600)) as demo:
         # A new Session (its own LiveTau) per browser session; its trace files go when the tab closes.
         session = gr.State(lambda: Session(), delete_callback=forget_session)
-        components = _sidebar(policy)
+        components = _sidebar(policy, handlers.on_gpu)
         gr.Markdown(INTRO, elem_id="title")
         with gr.Tabs():
             with gr.Tab("Race", id="race"):
@@ -365,7 +381,7 @@ def default_loader() -> Loader:
 demo = build_demo(default_loader())
 if on_zero_gpu():
     # ZeroGPU expects the model in memory and moved to CUDA at start-up, outside any GPU function.
-    demo.handlers.models.get(BUNDLED)
+    demo.handlers.models.get(BUNDLED, demo.handlers.compute_path(None))  # None: the path is not used on a GPU
 
 
 def launch_options(env: dict[str, str] = os.environ) -> dict:

@@ -31,7 +31,7 @@ def is_skip(value) -> bool:
 
 @pytest.fixture
 def handlers(tiny_qwen, tmp_path):
-    def loader(spec: str):
+    def loader(spec: str, precision=None):
         if spec.startswith("bad"):
             raise ModelLoadError(f"unknown model {spec!r}")
         return tiny_qwen
@@ -63,7 +63,7 @@ PLOTS = ("time_plot", "pass_plot", "hist_plot", "summary_plot")
 def test_build_demo_loads_no_model():
     import app
 
-    def loader(spec):
+    def loader(spec, precision=None):
         raise AssertionError("build_demo must not load a model")
 
     demo = app.build_demo(loader)
@@ -283,7 +283,7 @@ def test_sweep_handler_yields_the_frontier(handlers):
 def test_model_cache_keeps_one_model_and_survives_failures():
     calls = []
 
-    def loader(spec):
+    def loader(spec, precision=None):
         calls.append(spec)
         time.sleep(0.05)
         if spec == "bad":
@@ -308,7 +308,7 @@ def test_model_cache_keeps_one_model_and_survives_failures():
 def test_model_cache_serves_the_loaded_model_while_another_loads():
     release = threading.Event()
 
-    def loader(spec):
+    def loader(spec, precision=None):
         if spec == "slow":
             release.wait(5)
         return spec

@@ -18,7 +18,7 @@ GOOD = {"arrivals": "poisson", "rate": 20.0, "policies": ["fixed:1.0", "fixed:0.
 
 @pytest.fixture
 def serving(tiny_qwen, tmp_path):
-    def loader(spec: str):
+    def loader(spec: str, precision=None):
         if spec.startswith("bad"):
             raise ModelLoadError(f"unknown model {spec!r}")
         return tiny_qwen

@@ -50,7 +50,7 @@ def settings(**changes) -> list:
 def spy_loader(tiny_qwen):
     calls = []
 
-    def loader(spec):
+    def loader(spec, precision=None):
         calls.append(spec)
         if spec != BUNDLED and spec != BUNDLED_BASE:
             raise ModelLoadError(f"{spec} is not a valid JSON file: Expecting value: line 1 column 1 (char 0)")
@@ -79,7 +79,7 @@ def copied_by_deepcopy(root) -> set[int]:
 
 def test_page_config_does_not_reach_a_loaded_model(tiny_qwen, tmp_path):
     """Gradio deep-copies this config per GET / and GET /config: the copy must not take the model with it."""
-    demo = app.build_demo(lambda spec: tiny_qwen, traces=TraceStore(tmp_path))
+    demo = app.build_demo(lambda spec, precision=None: tiny_qwen, traces=TraceStore(tmp_path))
     demo.handlers.models.get(BUNDLED)
     tensors = {id(t) for t in [*tiny_qwen.model.parameters(), *tiny_qwen.model.buffers()]}
     for config in (demo.get_config_file(), demo.config):
@@ -148,7 +148,7 @@ def test_policy_from_the_environment():
 # -- models in use stay ----------------------------------------------------------------------
 def test_a_model_in_use_is_never_dropped():
     loads = []
-    cache = ModelCache(lambda spec: loads.append(spec) or object(), capacity=1)
+    cache = ModelCache(lambda spec, precision=None: loads.append(spec) or object(), capacity=1)
     with cache.hold("a") as a:
         with pytest.raises(ModelBusy):
             cache.get("b")  # refused before loading: no second model in memory

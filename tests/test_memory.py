@@ -80,7 +80,7 @@ def test_the_app_refuses_a_model_that_would_not_fit_before_loading_it(tiny_llama
     tiny_llama.model.save_pretrained(folder)
     calls = []
 
-    def loader(spec):
+    def loader(spec, precision=None):
         calls.append(spec)
         return tiny_llama
 

@@ -199,7 +199,7 @@ def test_the_app_wraps_exactly_the_decoding_handlers(monkeypatch):
 
     spaces = fake_spaces()
     monkeypatch.setitem(sys.modules, "spaces", spaces)
-    demo = app.build_demo(lambda spec: pytest.fail("no model is loaded while building"))
+    demo = app.build_demo(lambda spec, precision=None: pytest.fail("no model is loaded while building"))
     wrapped = {fn.fn.__wrapped__.__name__: fn.fn.zero_gpu for fn in demo.fns.values()
                if getattr(fn.fn, "zero_gpu", None)}
     assert wrapped == {"run": zerogpu.RUN_SECONDS, "sweep": zerogpu.SWEEP_SECONDS}

@@ -12,7 +12,9 @@ server out of memory. The parameter count comes from metadata only, never from l
   request), else a copy in the local hub cache, else, for the released checkpoints, the
   size in their name.
 
-Memory a CPU load takes: parameters x 4 bytes (fp32) x ``LOAD_FACTOR``. Free memory: the
+Memory a CPU load takes: parameters x 4 bytes (fp32) x the load factor of its compute path
+(``LOAD_FACTORS``: the weights are read in fp32 and converted, and ``auto`` measures converted
+copies the first time; an unknown path counts the largest). Free memory: the
 lower of ``MemAvailable`` (/proc/meminfo; ``os.sysconf`` where there is none) and the
 room left under the cgroup's memory limit (a container, a Space). A model is refused
 when it needs more than the free memory less ``MARS_DEMO_MEMORY_MARGIN_MB`` (default
@@ -36,14 +38,17 @@ import threading
 import time
 from pathlib import Path
 
+from .kernels import PRECISION_ENV
 from .loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError, cache_dir
 
 logger = logging.getLogger(__name__)
 
 BYTES_PER_PARAM = 4  # fp32: what load_model uses on a CPU
-# RSS a CPU load adds per fp32 byte of weights, measured with the bundled model on its compute
-# path (int8 weights beside the fp32 ones): 444 -> 1245 MB for 134.5M parameters (538 MB).
-LOAD_FACTOR = 1.5
+# Peak RSS a CPU load adds per fp32 byte of weights, by compute path: measured with the bundled
+# model (134.5M parameters, 538 MB in fp32) loaded by load_for_decoding, BENCHMARKS.md "Memory by
+# compute path". "auto" is its first load, which measures a converted copy of each path.
+LOAD_FACTORS = {"fp32": 1.5, "bf16": 1.5, "int8": 1.5, "auto": 1.5}
+LOAD_FACTOR = max(LOAD_FACTORS.values())  # a path that cannot be told
 SMOLLM2_135M_PARAMS = 134_515_008  # the bundled base (header of its converted weights)
 MARGIN_ENV = "MARS_DEMO_MEMORY_MARGIN_MB"
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")
@@ -161,8 +166,15 @@ def parameter_count(spec: str, _depth: int = 0) -> int | None:
     return None
 
 
-def needed_bytes(params: int) -> int:
-    return int(params * BYTES_PER_PARAM * LOAD_FACTOR)
+def load_factor(precision: str | None = None) -> float:
+    """``LOAD_FACTORS`` for ``precision``; None: the loader's default (MARS_DEMO_PRECISION, else auto)."""
+    if precision is None:
+        precision = os.environ.get(PRECISION_ENV, "").strip() or "auto"
+    return LOAD_FACTORS.get(precision, LOAD_FACTOR)
+
+
+def needed_bytes(params: int, precision: str | None = None) -> int:
+    return int(params * BYTES_PER_PARAM * load_factor(precision))
 
 
 def margin_bytes() -> int:
@@ -172,8 +184,9 @@ def margin_bytes() -> int:
         return 2**30
 
 
-def check_fits(spec: str, available: int | None = None) -> None:
-    """Raise ``ModelTooLarge`` when ``spec`` would not fit in the free memory less the margin."""
+def check_fits(spec: str, available: int | None = None, *, precision: str | None = None) -> None:
+    """Raise ``ModelTooLarge`` when ``spec``, loaded on compute path ``precision``, would not fit in the
+    free memory less the margin."""
     import torch
 
     if torch.cuda.is_available():
@@ -183,10 +196,10 @@ def check_fits(spec: str, available: int | None = None) -> None:
     if params is None or available is None:
         logger.info("cannot tell whether %s fits (parameters %s, free %s): loading it", spec, params, available)
         return
-    needed = needed_bytes(params)
+    needed = needed_bytes(params, precision)
     if needed > available - margin_bytes():
-        logger.warning("refused %s: needs ~%.1f GB, %.1f GB free, margin %.1f GB", spec, needed / GB, available / GB,
-                       margin_bytes() / GB)
+        logger.warning("refused %s (%s): needs ~%.1f GB, %.1f GB free, margin %.1f GB", spec, precision or "default",
+                       needed / GB, available / GB, margin_bytes() / GB)
         raise ModelTooLarge(needed, available)
 
 

@@ -11,7 +11,9 @@ slider's change event, never queued behind a run) writes to it while the run goe
 
 Toasts (gr.Warning / gr.Error) are built in ``messages.py``: plain text for API
 clients, escaped for the browser. Models go through the hosting policy and are held
-by a run for as long as it decodes (``models.py``); trace files live in a bounded
+by a run for as long as it decodes (``models.py``), keyed by checkpoint and CPU compute path
+(the sidebar's setting, checked like ``--precision``; ignored on a GPU): MARS and AR in a race,
+the sweep and the Serving tab decode on the one model their run holds. Trace files live in a bounded
 ``TraceStore`` (``traces.py``). The handlers object reaches the model, so nothing in
 the component config may reach it: the app hands Gradio only plain functions.
 """
@@ -27,25 +29,28 @@ from html import escape
 from pathlib import Path
 
 import gradio as gr
+import torch
 
 from ..engine.config import DecodeConfig
 from ..engine.decoding import generate
+from ..engine.kernels import check_precision
 from ..engine.loading import load_for_decoding
 from ..engine.memory import ModelTooLarge, check_fits, trim_heap
 from . import charts
 from .messages import error, sentence, warning
-from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note
+from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note, default_compute_path
 from .race import RaceTrace, Session, interleave
 from .render import ar_pane, mars_pane, model_message, model_status
 from .sweep import frontier, plan, sweep_runs
 from .traces import TraceStore, stem
+from .zerogpu import on_zero_gpu
 
 logger = logging.getLogger(__name__)
 
 SWEEP_COLUMNS = ["tau", "prompts", "tokens / forward", "tokens / s", "speedup over AR", "agreement", "exact match"]
 # Each handler's outputs by name, in the order app.py lists the components: the one place that order lives.
 RACE_OUTPUTS = ("mars_pane", "ar_pane", "time_plot", "pass_plot", "hist_plot", "summary_plot", "json_file", "csv_file")
-MODEL_OUTPUTS = ("model_line", "model", "block_size")
+MODEL_OUTPUTS = ("model_line", "model", "block_size", "precision")
 SWEEP_OUTPUTS = ("sweep_status", "sweep_plot", "sweep_table")
 
 
@@ -107,9 +112,12 @@ class DemoHandlers:
         trace_dir: str | Path | None = None,
         traces: TraceStore | None = None,
         stop_wait: float = 10.0,
-        guard: Callable[[str], None] | None = check_fits,
+        guard: Callable[..., None] | None = check_fits,
+        gpu: bool | None = None,
     ) -> None:
         self.models = ModelCache(loader, capacity, guard)  # guard: refuses a model that would not fit in memory
+        # On a GPU the compute-path setting is ignored: CUDA decodes in bf16 (MARS_DEMO_PRECISION=fp32 keeps fp32).
+        self.on_gpu = (torch.cuda.is_available() or on_zero_gpu()) if gpu is None else gpu
         self.policy = policy or ModelPolicy.from_env()
         self.chart_every = chart_every  # seconds between chart refreshes while a run streams
         self.traces = traces or TraceStore(trace_dir or Path(tempfile.gettempdir()) / "mars_demo_traces")
@@ -126,36 +134,60 @@ class DemoHandlers:
             logger.warning("cannot load %r: %s", spec, err)
         return self.policy.refusal
 
-    def show_model(self, spec: str | None, session: Session, request: gr.Request = None) -> Iterator[tuple]:
-        """Load the picked model (page load, picker change); on failure keep the previous one.
+    def compute_path(self, precision: str | None) -> str | None:
+        """The sidebar's compute path as the model cache's key: checked as ``--precision`` is (a ValueError
+        with one line), None (the default) is MARS_DEMO_PRECISION or auto, and on a GPU it is None: ignored."""
+        precision = check_precision(default_compute_path()[0] if precision is None else precision)
+        return None if self.on_gpu else precision
 
-        Outputs: status line, model picker, block-size slider.
+    def _path(self, precision: str | None, request: gr.Request | None) -> str | None:
+        try:
+            return self.compute_path(precision)
+        except ValueError as err:
+            raise error(sentence(str(err)), "Bad setting", request) from None
+
+    def show_model(self, spec: str | None, session: Session, precision: str | None = None,
+                   request: gr.Request = None) -> Iterator[tuple]:
+        """Load the picked model on the picked compute path (page load, picker or path change); on failure
+        keep the previous ones.
+
+        Outputs: status line, model picker, block-size slider, compute-path setting.
         """
         self.traces.prune()  # page loads also age out the traces of API sessions
         try:
+            path = self.compute_path(precision)
+        except ValueError as err:
+            yield self._kept(sentence(str(err)), session, "Bad setting", request, session.spec)
+            return
+        try:
             spec = self.policy.check(spec)
-            if spec not in self.models.loaded():
+            if not self.models.has(spec, path):
                 loading = f"Loading {spec}… (a download or a first conversion can take a while)"
                 yield outputs(MODEL_OUTPUTS, model_line=model_message(loading))
-            lm = self.models.get(spec)
+            lm = self.models.get(spec, path)
         except Exception as err:  # noqa: BLE001 - any failure to load is the visitor's to read, not a crash
-            text = self._refusal(spec, err)
-            keep = session.spec if session.spec != spec else self.policy.specs[0]
-            warning(sentence(text, f"Still serving {keep}"), "Model not loaded", request)
-            yield outputs(MODEL_OUTPUTS, model_line=model_message(sentence(text, f"Still serving {keep}"), "error"),
-                          model=gr.update(value=keep))
+            same = (session.spec, session.precision) == (spec, precision)
+            yield self._kept(self._refusal(spec, err), session, "Model not loaded", request,
+                             session.spec if not same else self.policy.specs[0])
             return
-        session.spec = spec
+        session.spec, session.precision = spec, precision
         status = model_status(
             lm.name, lm.meta.block_size, lm.meta.mask_token, lm.load_seconds, bundled_note(spec),
             compute=lm.compute.summary() if lm.compute is not None else "",
         )
         yield outputs(MODEL_OUTPUTS, model_line=status, block_size=gr.update(value=lm.meta.block_size))
 
-    def _hold(self, spec: str | None, stack: ExitStack, request: gr.Request | None):
-        """The model for a run, held (never dropped) until ``stack`` closes."""
+    def _kept(self, text: str, session: Session, title: str, request: gr.Request | None, keep: str) -> tuple:
+        """The status line and toast for a model or path not served; the picker and the path go back."""
+        text = sentence(text, f"Still serving {keep}")
+        warning(text, title, request)
+        return outputs(MODEL_OUTPUTS, model_line=model_message(text, "error"), model=gr.update(value=keep),
+                       precision=gr.update(value=session.precision or default_compute_path()[0]))
+
+    def _hold(self, spec: str | None, stack: ExitStack, request: gr.Request | None, path: str | None = None):
+        """The model for a run on compute path ``path`` (from ``_path``), held (never dropped) until ``stack`` closes."""
         try:
-            return stack.enter_context(self.models.hold(self.policy.check(spec)))
+            return stack.enter_context(self.models.hold(self.policy.check(spec), path))
         except Exception as err:  # noqa: BLE001 - refused with one message; the reason goes to the log
             raise error(self._refusal(spec, err), "Model not loaded", request) from None
 
@@ -201,23 +233,27 @@ class DemoHandlers:
 
     def run(
         self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session,
-        mode: str = "mars",
+        mode: str = "mars", precision: str | None = None,
         request: gr.Request = None,
     ) -> Iterator[tuple]:
-        """Race MARS (or exact / hybrid mode) against AR on one prompt, streaming every forward pass of both."""
+        """Race MARS (or exact / hybrid mode) against AR on one prompt, streaming every forward pass of both.
+
+        Both sides decode with the one model this run holds: the same weights on the same compute path."""
         if not (prompt or "").strip():
             raise error("Type a prompt first, or pick one of the examples.", "Empty prompt", request)
         config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, request, mode)
+        path = self._path(precision, request)
         owner = request.session_hash if request is not None else None
         with ExitStack() as held:
-            lm = self._hold(spec, held, request)
+            lm = self._hold(spec, held, request, path)
             session.tau.set(config.tau)
             try:  # a prompt longer than the model's context is refused here (or at the first pass)
                 mars = generate(lm, prompt, config, tau=session.tau)
                 ar = generate(lm, prompt, config.with_(mode="ar")) if with_ar else None
             except ValueError as err:
                 raise _prompt_error(err, request) from None
-            trace = RaceTrace(prompt=prompt, model=lm.name, config=config, with_ar=bool(with_ar))
+            trace = RaceTrace(prompt=prompt, model=lm.name, config=config, with_ar=bool(with_ar),
+                              compute=lm.compute.summary() if lm.compute is not None else "")
             session.trace = trace
             try:
                 yield self._outputs(trace, ("mars", "ar"), True, False, session)
@@ -264,7 +300,7 @@ class DemoHandlers:
     # -- the sweep -------------------------------------------------------------------------
     def sweep(
         self, prompts, taus, max_new_tokens, spec, block_size, metric, temperature, full_window=False,
-        request: gr.Request = None, progress=gr.Progress(),
+        precision: str | None = None, request: gr.Request = None, progress=gr.Progress(),
     ) -> Iterator[tuple]:
         """Run the chosen prompts at each tau (and 1.0, and AR); yield after every run, the frontier after every prompt."""
         prompts = list(prompts or [])
@@ -273,8 +309,9 @@ class DemoHandlers:
         except ValueError as err:
             raise error(sentence(str(err)), "Nothing to sweep", request) from None
         config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window, request)
+        path = self._path(precision, request)
         with ExitStack() as held:
-            yield from self._sweep(prompts, taus, config, runs_planned, self._hold(spec, held, request), progress)
+            yield from self._sweep(prompts, taus, config, runs_planned, self._hold(spec, held, request, path), progress)
         trim_heap()
 
     def _sweep(self, prompts, taus, config, runs_planned, lm, progress) -> Iterator[tuple]:

@@ -7,14 +7,16 @@ the operator turns it on (MARS_DEMO_ANY_MODEL; on by default for a local run, of
 on a Space or a server bound beyond localhost). A refused spec is refused before
 anything is opened, with one message whatever the spec is.
 
-``ModelCache`` keeps at most ``capacity`` models, keyed by spec, behind a lock.
-Sessions asking for a loaded model share it, even while another spec loads (one load
+``ModelCache`` keeps at most ``capacity`` models, keyed by (spec, compute path), behind a
+lock: the same checkpoint on another CPU path (the sidebar's "Compute path": auto, fp32,
+bf16, int8; None on a GPU) is another entry, loaded and converted by ``loader(spec, precision)``.
+Sessions asking for a loaded model share it, even while another one loads (one load
 at a time). A run holds its model (``hold``) for as long as it decodes; a model in
 use is never dropped: loading another spec drops the least recently used idle model,
 and when every slot is in use the load is refused (``ModelBusy``) instead. Decoding
 needs no lock: a forward pass does not change the model, and each generation keeps
-its own KV cache. Before a load, ``guard(spec)`` may refuse it (the app's guard is
-``engine.memory.check_fits``: a model that would not fit in the free memory is never loaded).
+its own KV cache. Before a load, ``guard(spec, precision=...)`` may refuse it (the app's guard
+is ``engine.memory.check_fits``: a model that would not fit in the free memory on that path is never loaded).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..engine.kernels import PRECISION_ENV, PRECISIONS, check_precision
 from ..engine.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
 
 logger = logging.getLogger(__name__)
 
-Loader = Callable[[str], LoadedModel]
+Loader = Callable[[str, str | None], LoadedModel]  # (spec, precision) -> model on that compute path
+Key = tuple[str, str | None]  # (spec, precision): one entry per checkpoint and compute path
 LOCAL_HOSTS = ("", "127.0.0.1", "localhost", "::1")
 
 
@@ -94,79 +98,105 @@ class ModelPolicy:
         raise ModelRefused(self.refusal)
 
 
+def default_compute_path(env: Mapping[str, str] = os.environ) -> tuple[str, str]:
+    """The sidebar's first compute path: MARS_DEMO_PRECISION when it names one, else auto; and, for a
+    value that names none, why it was not used (checked by ``kernels.check_precision``, as ``--precision`` is)."""
+    raw = env.get(PRECISION_ENV, "").strip()
+    try:
+        return check_precision(raw or "auto"), ""
+    except ValueError as err:
+        return "auto", f"{PRECISION_ENV}: {err}; using auto"
+
+
+COMPUTE_CHOICES = PRECISIONS  # auto, fp32, bf16, int8
+
+
 class ModelCache:
-    def __init__(self, loader: Loader, capacity: int = 1, guard: Callable[[str], None] | None = None) -> None:
+    def __init__(self, loader: Loader, capacity: int = 1, guard: Callable[..., None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"the model cache holds at least one model, got capacity {capacity}")
         self._loader = loader
         self._guard = guard  # raises to refuse a load (engine.memory.check_fits), called before the loader
         self._capacity = capacity
-        self._models: OrderedDict[str, LoadedModel] = OrderedDict()
-        self._users: Counter[str] = Counter()  # runs decoding with each spec right now
+        self._models: OrderedDict[Key, LoadedModel] = OrderedDict()
+        self._users: Counter[Key] = Counter()  # runs decoding with each entry right now
         self._lock = threading.Lock()  # guards the dict and the counts; held for moments only
         self._loading = threading.Lock()  # one load at a time; a cached model is served meanwhile
 
-    def _cached(self, spec: str, use: bool) -> LoadedModel | None:
+    def _cached(self, key: Key, use: bool) -> LoadedModel | None:
         with self._lock:
-            if spec not in self._models:
+            if key not in self._models:
                 return None
-            self._models.move_to_end(spec)
-            self._users[spec] += use
-            return self._models[spec]
+            self._models.move_to_end(key)
+            self._users[key] += use
+            return self._models[key]
 
-    def _idle(self) -> list[str]:
-        return [spec for spec in self._models if not self._users[spec]]  # oldest first
+    def _idle(self) -> list[Key]:
+        return [key for key in self._models if not self._users[key]]  # oldest first
 
-    def get(self, spec: str, *, use: bool = False) -> LoadedModel:
-        """The model for ``spec``, loading it if needed (``use``: count one more user; see ``hold``).
+    def get(self, spec: str, precision: str | None = None, *, use: bool = False) -> LoadedModel:
+        """The model for ``spec`` on ``precision``'s path, loading it if needed (``use``: count one more user; see ``hold``).
 
         Raises ``ModelBusy`` when the cache is full of models in use; the guard's and the loader's errors propagate.
         """
-        spec = spec.strip()
-        lm = self._cached(spec, use)
+        key = (spec.strip(), precision)
+        lm = self._cached(key, use)
         if lm is not None:
             return lm
         with self._loading:
-            lm = self._cached(spec, use)  # another session may have loaded it while this one waited
+            lm = self._cached(key, use)  # another session may have loaded it while this one waited
             if lm is not None:
                 return lm
             with self._lock:
                 if len(self._models) >= self._capacity and not self._idle():
                     raise ModelBusy("every model slot is in use by a run")
             if self._guard is not None:
-                self._guard(spec)
-            logger.info("loading %s", spec)
-            lm = self._loader(spec)
+                self._guard(key[0], precision=precision)
+            logger.info("loading %s (compute path %s)", key[0], precision or "default")
+            lm = self._loader(*key)
             with self._lock:
                 idle = self._idle()
                 while len(self._models) >= self._capacity and idle:
                     dropped = idle.pop(0)
                     del self._models[dropped]
-                    logger.info("dropped %s from memory (no run was using it)", dropped)
-                self._models[spec] = lm
-                self._users[spec] += use
+                    logger.info("dropped %s (%s) from memory (no run was using it)", *dropped)
+                self._models[key] = lm
+                self._users[key] += use
             return lm
 
     @contextmanager
-    def hold(self, spec: str) -> Iterator[LoadedModel]:
-        """The model for ``spec``, kept in memory until the block ends (a run's whole decoding)."""
-        spec = spec.strip()
-        lm = self.get(spec, use=True)
+    def hold(self, spec: str, precision: str | None = None) -> Iterator[LoadedModel]:
+        """The model for ``spec`` on that path, kept in memory until the block ends (a run's whole decoding)."""
+        key = (spec.strip(), precision)
+        lm = self.get(*key, use=True)
         try:
             yield lm
         finally:
             with self._lock:
-                self._users[spec] -= 1
-                if not self._users[spec]:
-                    del self._users[spec]
+                self._users[key] -= 1
+                if not self._users[key]:
+                    del self._users[key]
 
-    def loaded(self) -> list[str]:
+    def has(self, spec: str, precision: str | None = None) -> bool:
+        with self._lock:
+            return (spec.strip(), precision) in self._models
+
+    def entries(self) -> list[Key]:
+        """(spec, precision) of every model in memory, least recently used first."""
         with self._lock:
             return list(self._models)
 
+    def loaded(self) -> list[str]:
+        """The specs in memory (on any path), least recently used first."""
+        return list(dict.fromkeys(spec for spec, _ in self.entries()))
+
     def in_use(self) -> dict[str, int]:
+        """Runs decoding right now, by spec (all paths together)."""
+        counts: Counter[str] = Counter()
         with self._lock:
-            return dict(self._users)
+            for (spec, _), users in self._users.items():
+                counts[spec] += users
+        return dict(counts)
 
 
 def bundled_note(spec: str) -> str:

@@ -48,6 +48,7 @@ class RaceTrace:
     model: str
     config: DecodeConfig
     with_ar: bool = True
+    compute: str = ""  # the compute path both sides decoded on (ComputePath.summary; empty on a GPU)
     mars: list[StepEvent] = field(default_factory=list)
     ar: list[StepEvent] = field(default_factory=list)
     status: str = "running"  # "running", "done", "stopped" or "error"
@@ -92,6 +93,7 @@ class RaceTrace:
         return {
             "prompt": self.prompt,
             "model": self.model,
+            "compute_path": self.compute,
             "config": asdict(self.config),
             "status": self.status,
             "speedup_over_ar": round(gain, 4) if gain else None,
@@ -145,5 +147,6 @@ class Session:
 
     tau: LiveTau = field(default_factory=lambda: LiveTau(DecodeConfig().tau))
     spec: str = BUNDLED
+    precision: str | None = None  # the compute-path setting of the model last shown (None: the default)
     trace: RaceTrace | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])

@@ -122,19 +122,20 @@ class ServingHandlers:
 
     def run(
         self, arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens, spec,
-        state: ServingState, request: gr.Request = None,
+        state: ServingState, precision: str | None = None, request: gr.Request = None,
     ) -> Iterator[tuple]:
         """Replay the seeded requests under each policy; yields (status, tau, queue, throughput, latency, totals)."""
         try:
             config, limit = parse_settings(arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens)
         except ValueError as err:
             raise error(sentence(str(err)), "Bad setting", request) from None
+        path = self.demo._path(precision, request)  # checked as --precision is; the model cache's key
         stop_at = time.monotonic() + limit
         state.stop.clear()
         state.running = True
         try:
             with ExitStack() as held:
-                lm = self.demo._hold(spec, held, request)
+                lm = self.demo._hold(spec, held, request, path)
                 yield from self._replays(lm, config, stop_at, state)
         finally:
             state.running = False
