@@ -204,7 +204,7 @@ def test_failed_load_keeps_the_previous_model(handlers):
     assert len(list(handlers.show_model(BUNDLED, session))) == 1  # cached: no "Loading" flash
     with pytest.warns(UserWarning, match="Still serving"):
         *_, last = handlers.show_model("bad/<b>model</b>", session)
-    status, picker, block = (named(MODEL_OUTPUTS, last)[name] for name in MODEL_OUTPUTS)
+    status, picker, block = (named(MODEL_OUTPUTS, last)[name] for name in ("model_line", "model", "block_size"))
     assert "Could not load that model" in status and "bad/" not in status and "<b>" not in status  # never echoed
     assert "Still serving smollm2-135m-mars." in status and ".." not in status
     assert picker == BUNDLED and is_skip(block)

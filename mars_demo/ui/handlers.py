@@ -39,7 +39,7 @@ from ..engine.memory import ModelTooLarge, check_fits, trim_heap
 from . import charts
 from .messages import error, sentence, warning
 from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note, default_compute_path
-from .race import RaceTrace, Session, interleave
+from .race import LaneCadence, RaceTrace, Session, interleave, upcoming_side
 from .render import ar_pane, mars_pane, model_message, model_status
 from .sweep import frontier, plan, sweep_runs
 from .traces import TraceStore, stem
@@ -114,12 +114,14 @@ class DemoHandlers:
         stop_wait: float = 10.0,
         guard: Callable[..., None] | None = check_fits,
         gpu: bool | None = None,
+        view_every: float = 0.0,
     ) -> None:
         self.models = ModelCache(loader, capacity, guard)  # guard: refuses a model that would not fit in memory
         # On a GPU the compute-path setting is ignored: CUDA decodes in bf16 (MARS_DEMO_PRECISION=fp32 keeps fp32).
         self.on_gpu = (torch.cuda.is_available() or on_zero_gpu()) if gpu is None else gpu
         self.policy = policy or ModelPolicy.from_env()
         self.chart_every = chart_every  # seconds between chart refreshes while a run streams
+        self.view_every = view_every  # a side's decoding seconds between two views of the race (race.LaneCadence)
         self.traces = traces or TraceStore(trace_dir or Path(tempfile.gettempdir()) / "mars_demo_traces")
         self.stop_wait = stop_wait  # most seconds Stop waits for the run to end (one forward pass)
 
@@ -257,24 +259,7 @@ class DemoHandlers:
             session.trace = trace
             try:
                 yield self._outputs(trace, ("mars", "ar"), True, False, session)
-                charted = time.monotonic()
-                passes = interleave(mars, ar)
-                while trace.status == "running":
-                    try:
-                        side, event = next(passes)  # one forward pass, of one side
-                    except StopIteration:
-                        trace.status = "done"
-                        break
-                    except ValueError as err:
-                        trace.status = "error"
-                        raise _prompt_error(err, request) from None
-                    if trace.status != "running":
-                        break  # Stop came during this pass: its handler shows what was decoded
-                    trace.add(side, event)
-                    due = time.monotonic() - charted >= self.chart_every
-                    if due:
-                        charted = time.monotonic()
-                    yield self._outputs(trace, (side,), due, None, session)
+                yield from self._race(trace, interleave(mars, ar), session, request)
                 if trace.status == "done":
                     yield self._outputs(trace, ("mars", "ar"), True, True, session, owner)
             finally:
@@ -283,6 +268,31 @@ class DemoHandlers:
                     if decoder is not None:
                         decoder.close()
                 trim_heap()  # and the freed pages back to the system (engine/memory.py)
+
+    def _race(self, trace: RaceTrace, passes: Iterator, session: Session, request) -> Iterator[tuple]:
+        """Decode pass by pass into ``trace``; a view (the panes that changed, the charts when due) when
+        ``LaneCadence`` says, so that the UI's work costs both sides the same share."""
+        cadence, changed, charted = LaneCadence(self.view_every), set(), time.monotonic()
+        while trace.status == "running":
+            try:
+                side, event = next(passes)  # one forward pass, of one side
+            except StopIteration:
+                trace.status = "done"
+                break
+            except ValueError as err:
+                trace.status = "error"
+                raise _prompt_error(err, request) from None
+            if trace.status != "running":
+                break  # Stop came during this pass: its handler shows what was decoded
+            trace.add(side, event)
+            changed.add(side)
+            if not cadence.after(side, event.seconds, upcoming_side(trace, side)):
+                continue
+            due = time.monotonic() - charted >= self.chart_every
+            if due:
+                charted = time.monotonic()
+            yield self._outputs(trace, tuple(sorted(changed)), due, None, session)
+            changed.clear()
 
     def stop(self, session: Session, request: gr.Request = None) -> tuple:
         """Stop's own handler; ``cancels=`` ends the run generator at its next pass.

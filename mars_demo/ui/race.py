@@ -40,6 +40,41 @@ def interleave(mars: Iterator[StepEvent], ar: Iterator[StepEvent] | None) -> Ite
                 yield name, event
 
 
+class LaneCadence:
+    """When the race shows its panes: before a side's pass, once that side has decoded ``every``
+    seconds (its own clock) since the last view that landed on it; ``every`` = 0: after every pass.
+
+    The browser draws a view, and Gradio sends it, while the next forward pass runs, so each view
+    slows the pass after it. Placed by the side's own clock, views land on each side in proportion
+    to its decoding time, so both clocks pay the same share and the race's MARS / AR ratio is the
+    one without a UI (BENCHMARKS.md, "The UI's cost per lane"). After every pass instead, a view of
+    the bigger MARS pane lands on each AR pass, and AR's shorter passes paid the most.
+    """
+
+    def __init__(self, every: float = 0.0) -> None:
+        self.every = every
+        self.owed = dict.fromkeys(SIDES, 0.0)  # each side's decoding seconds since a view last landed on it
+
+    def after(self, side: str, seconds: float, upcoming: str | None) -> bool:
+        """Record a pass of ``side``; True when the view is due now, before ``upcoming``'s pass."""
+        self.owed[side] += seconds
+        if upcoming is None:
+            return self.every == 0  # the run's last pass: its final view follows at once
+        if self.owed[upcoming] < self.every:
+            return False
+        self.owed[upcoming] = 0.0
+        return True
+
+
+def upcoming_side(trace: RaceTrace, side: str) -> str | None:
+    """The side whose pass ``interleave`` runs after this pass of ``side`` (None: both are done)."""
+    other = "ar" if side == "mars" else "mars"
+    for candidate in (other, side):
+        if (candidate == "mars" or trace.with_ar) and not trace.finish_reason(candidate):
+            return candidate
+    return None
+
+
 @dataclass
 class RaceTrace:
     """Everything one run decoded, pass by pass; the app keeps the latest one per session."""
