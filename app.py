@@ -341,7 +341,8 @@ def build_demo(
     gr.set_static_paths([traces.directory])  # served in place: a removed trace's URL goes with it
     handlers = DemoHandlers(loader, capacity=capacity, policy=policy, traces=traces,
                             chart_every=float(os.environ.get("MARS_DEMO_CHART_EVERY", "1")),
-                            view_every=float(os.environ.get("MARS_DEMO_VIEW_EVERY", "0")))
+                            view_every=float(os.environ.get("MARS_DEMO_VIEW_EVERY", "0")),
+                            view_settle=float(os.environ.get("MARS_DEMO_VIEW_SETTLE", "0")))
     forget_session, forget_tab = session_cleanup(traces)
     live = None if on_zero_gpu() else LiveHandlers(handlers)  # ZeroGPU decodes in a forked worker per call
 

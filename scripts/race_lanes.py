@@ -40,8 +40,10 @@ def lane_figures(passes: dict[str, list[float]]) -> dict:
     out = {}
     for side, seconds in passes.items():
         decode = [s * 1000 for s in seconds[1:]] or [0.0]
+        trimmed = sorted(decode)[len(decode) // 20 : len(decode) - len(decode) // 20] or decode
         out[side] = {"passes": len(seconds), "mean_ms": round(statistics.fmean(decode), 1),
-                     "median_ms": round(statistics.median(decode), 1)}
+                     "median_ms": round(statistics.median(decode), 1),
+                     "trimmed_mean_ms": round(statistics.fmean(trimmed), 1)}  # the top and bottom 5% left out
     if out.get("ar", {}).get("mean_ms"):
         out["mars_over_ar"] = round(out["mars"]["mean_ms"] / out["ar"]["mean_ms"], 3)
     return out

@@ -17,7 +17,7 @@ from mars_demo.engine.decoding import LiveTau, StepEvent, generate
 from mars_demo.engine.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
-from mars_demo.ui.race import RaceTrace, Session, interleave
+from mars_demo.ui.race import LaneCadence, RaceTrace, Session, interleave
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 
 PROMPT = "Explain why the sky is blue."
@@ -357,3 +357,30 @@ def test_exact_mode_races_ar_with_the_same_text_and_marks_verified_drafts(handle
     assert "draft verified by the AR head" in html and "the AR head&#x27;s token" in html
     with pytest.raises(gr.Error, match="temperature 0"):
         next(handlers.run(PROMPT, s["spec"], 1.0, s["block_size"], 8, s["metric"], 0.5, False, True, session, "exact"))
+
+
+def test_views_land_on_each_side_in_proportion_to_its_decoding_time():
+    cadence = LaneCadence(1 / 8)
+    landed = {"mars": 0, "ar": 0}
+    for _ in range(1000):  # MARS passes of 1/16 s and AR passes of 1/32 s, alternating
+        landed["ar"] += cadence.after("mars", 1 / 16, "ar")
+        landed["mars"] += cadence.after("ar", 1 / 32, "mars")
+    # one view per 1/8 s of each side's own decoding: 62.5 s of MARS, 31.25 s of AR (the view owed
+    # for AR's last four passes would land on a 1001st AR pass)
+    assert landed == {"mars": 500, "ar": 249}
+    assert all(LaneCadence(0.0).after("mars", 0.01, side) for side in ("ar", "mars", None))  # 0: every pass
+    assert not LaneCadence(0.1).after("mars", 1.0, None)  # the last pass: the final view follows
+
+
+def test_a_view_carries_every_pane_that_changed_since_the_last(handlers):
+    handlers.view_every = 1e-9  # a view before every pass of a side that has decoded since its last view
+    session = Session()
+    outputs = list(start(handlers, session))
+    trace = session.trace
+    first = outputs[1]  # after MARS's first pass AR had not decoded yet: the first view follows AR's first pass
+    assert 'data-passes="1"' in first["mars_pane"] and 'data-passes="1"' in first["ar_pane"]
+    assert len(outputs) == 1 + len(trace.mars) + len(trace.ar) - 1
+    handlers.view_every = 10.0  # longer than the whole race: no view until the final one
+    outputs = list(start(handlers, session))
+    assert len(outputs) == 2 and f'data-passes="{len(session.trace.mars)}"' in outputs[-1]["mars_pane"]
+    assert 'data-status="done"' in outputs[-1]["ar_pane"]

@@ -115,6 +115,7 @@ class DemoHandlers:
         guard: Callable[..., None] | None = check_fits,
         gpu: bool | None = None,
         view_every: float = 0.0,
+        view_settle: float = 0.0,
     ) -> None:
         self.models = ModelCache(loader, capacity, guard)  # guard: refuses a model that would not fit in memory
         # On a GPU the compute-path setting is ignored: CUDA decodes in bf16 (MARS_DEMO_PRECISION=fp32 keeps fp32).
@@ -122,6 +123,7 @@ class DemoHandlers:
         self.policy = policy or ModelPolicy.from_env()
         self.chart_every = chart_every  # seconds between chart refreshes while a run streams
         self.view_every = view_every  # a side's decoding seconds between two views of the race (race.LaneCadence)
+        self.view_settle = view_settle  # seconds the race waits after a view, off both clocks, while it is drawn
         self.traces = traces or TraceStore(trace_dir or Path(tempfile.gettempdir()) / "mars_demo_traces")
         self.stop_wait = stop_wait  # most seconds Stop waits for the run to end (one forward pass)
 
@@ -293,6 +295,8 @@ class DemoHandlers:
                 charted = time.monotonic()
             yield self._outputs(trace, tuple(sorted(changed)), due, None, session)
             changed.clear()
+            if self.view_settle > 0:
+                time.sleep(self.view_settle)  # Gradio sends the view and the browser draws it now
 
     def stop(self, session: Session, request: gr.Request = None) -> tuple:
         """Stop's own handler; ``cancels=`` ends the run generator at its next pass.
