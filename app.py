@@ -18,7 +18,9 @@ locally, off on a Space or when GRADIO_SERVER_NAME is not a local address),
 MARS_DEMO_TRACE_DIR (the trace folder), MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_AGE (the
 bound on trace files: count and seconds), MARS_DEMO_SESSIONS (sessions whose state Gradio keeps),
 MARS_DEMO_MEMORY_MARGIN_MB (memory a model load must leave free), MARS_DEMO_MALLOC_TRIM,
-MARS_DEMO_PRECISION (the sidebar's first compute path on a CPU: auto, fp32, bf16 or int8).
+MARS_DEMO_PRECISION (the sidebar's first compute path on a CPU: auto, fp32, bf16 or int8),
+MARS_DEMO_VIEW_EVERY / MARS_DEMO_VIEW_SETTLE / MARS_DEMO_CHART_EVERY (how often a race is shown:
+ui/race.py, LaneCadence).
 
 Gradio deep-copies the component config on every page load, so nothing in it may reach
 the model: the state's delete callback and the unload handler are plain functions that
@@ -48,7 +50,7 @@ from mars_demo.ui.handlers import (
 )
 from mars_demo.ui.live import LIVE_CSS, LIVE_OUTPUTS, LiveHandlers, LiveState, live_cleanup
 from mars_demo.ui.models import COMPUTE_CHOICES, Loader, ModelPolicy, default_compute_path
-from mars_demo.ui.race import Session
+from mars_demo.ui.race import VIEW_EVERY, Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
 from mars_demo.ui.serving import (
     BOUNDS,
@@ -341,7 +343,7 @@ def build_demo(
     gr.set_static_paths([traces.directory])  # served in place: a removed trace's URL goes with it
     handlers = DemoHandlers(loader, capacity=capacity, policy=policy, traces=traces,
                             chart_every=float(os.environ.get("MARS_DEMO_CHART_EVERY", "1")),
-                            view_every=float(os.environ.get("MARS_DEMO_VIEW_EVERY", "0")),
+                            view_every=float(os.environ.get("MARS_DEMO_VIEW_EVERY", str(VIEW_EVERY))),
                             view_settle=float(os.environ.get("MARS_DEMO_VIEW_SETTLE", "0")))
     forget_session, forget_tab = session_cleanup(traces)
     live = None if on_zero_gpu() else LiveHandlers(handlers)  # ZeroGPU decodes in a forked worker per call

@@ -17,7 +17,7 @@ from mars_demo.engine.decoding import LiveTau, StepEvent, generate
 from mars_demo.engine.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
-from mars_demo.ui.race import LaneCadence, RaceTrace, Session, interleave
+from mars_demo.ui.race import VIEW_EVERY, LaneCadence, RaceTrace, Session, interleave
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 
 PROMPT = "Explain why the sky is blue."
@@ -70,6 +70,7 @@ def test_build_demo_loads_no_model():
     assert isinstance(demo, gr.Blocks)
     assert demo.handlers.models.loaded() == []
     assert isinstance(app.demo, gr.Blocks) and app.demo.handlers.models.loaded() == []
+    assert demo.handlers.view_every == VIEW_EVERY  # views by each side's clock (LaneCadence)
 
 
 def test_run_streams_both_panes_pass_by_pass(handlers):

@@ -302,6 +302,7 @@ def test_streamed_runs_do_not_grow_the_session(spy_loader, tmp_path, monkeypatch
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     demo = app.build_demo(spy_loader, policy=CLOSED, traces=TraceStore(tmp_path / "traces"))
     demo.handlers.chart_every = 0.0  # charts on every pass as well
+    demo.handlers.view_every = 0.0  # a view after every pass (the app's default shows one per 0.25 s of each side)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:

@@ -24,6 +24,9 @@ from ..engine.loading import BUNDLED
 from ..engine.metrics import Rates, speedup
 
 SIDES = ("mars", "ar")
+# The app's default for LaneCadence: a view per quarter second of each side's own decoding, about
+# four a second (MARS_DEMO_VIEW_EVERY; BENCHMARKS.md, "The UI's cost per lane").
+VIEW_EVERY = 0.25
 CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences")
 
 
