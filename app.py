@@ -50,7 +50,7 @@ from mars_demo.ui.handlers import (
 )
 from mars_demo.ui.live import LIVE_CSS, LIVE_OUTPUTS, LiveHandlers, LiveState, live_cleanup
 from mars_demo.ui.models import COMPUTE_CHOICES, Loader, ModelPolicy, default_compute_path
-from mars_demo.ui.race import VIEW_EVERY, Session
+from mars_demo.ui.race import VIEW_EVERY, VIEW_SETTLE, Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
 from mars_demo.ui.serving import (
     BOUNDS,
@@ -344,7 +344,7 @@ def build_demo(
     handlers = DemoHandlers(loader, capacity=capacity, policy=policy, traces=traces,
                             chart_every=float(os.environ.get("MARS_DEMO_CHART_EVERY", "1")),
                             view_every=float(os.environ.get("MARS_DEMO_VIEW_EVERY", str(VIEW_EVERY))),
-                            view_settle=float(os.environ.get("MARS_DEMO_VIEW_SETTLE", "0")))
+                            view_settle=float(os.environ.get("MARS_DEMO_VIEW_SETTLE", str(VIEW_SETTLE))))
     forget_session, forget_tab = session_cleanup(traces)
     live = None if on_zero_gpu() else LiveHandlers(handlers)  # ZeroGPU decodes in a forked worker per call
 

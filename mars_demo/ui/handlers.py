@@ -1,8 +1,11 @@
 """The app's event handlers: they turn engine events into component values, and nothing more.
 
-The run handler is a generator that decodes as Gradio pulls from it, one forward
-pass per ``next()``: MARS and AR passes alternate (``race.interleave``) and each
-yield carries the pass just decoded. There is no helper thread and no replay.
+The run handler is a generator that decodes as Gradio pulls from it: MARS and AR
+passes alternate (``race.interleave``) and a yield carries the panes that changed
+since the last one, when ``race.LaneCadence`` says a view is due (``view_every``: a
+side's own decoding seconds between views; 0, the default here, a yield per pass;
+the app uses ``race.VIEW_EVERY`` and waits ``view_settle`` after each view, off both
+clocks, so that the UI's work costs both sides the same). There is no helper thread and no replay.
 Stop cancels the run (``cancels=``) and marks its trace stopped, so the generator
 ends at the next pass boundary; Stop's own handler waits for that end before it
 shows the final view, so no earlier pass can land on top of it. The session's

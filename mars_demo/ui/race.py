@@ -27,6 +27,7 @@ SIDES = ("mars", "ar")
 # The app's default for LaneCadence: a view per quarter second of each side's own decoding, about
 # four a second (MARS_DEMO_VIEW_EVERY; BENCHMARKS.md, "The UI's cost per lane").
 VIEW_EVERY = 0.25
+VIEW_SETTLE = 0.1  # and the seconds the race waits after a view, off both clocks, while it is sent and drawn
 CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences")
 
 
