@@ -319,7 +319,7 @@ def _live_section(intro: str) -> dict:
 
 def _wire_live(live: LiveHandlers, c: dict) -> None:
     """Send is not queued behind races (the shared batch bounds itself: rows, queue); Stop never queues."""
-    inputs = [c["live_prompt"], c["model"], c["live_state"]]
+    inputs = [c["live_prompt"], c["model"], c["live_state"], c["precision"]]  # gr.Request goes before precision
     outputs = [c[name] for name in LIVE_OUTPUTS]
     for trigger in (c["live_send"].click, c["live_prompt"].submit):
         trigger(live.send, inputs, outputs, concurrency_limit=None, show_progress="hidden")

@@ -26,7 +26,7 @@ NEW = 16
 
 @pytest.fixture
 def live(tiny_qwen, tmp_path):
-    def loader(spec: str):
+    def loader(spec: str, precision=None):
         if spec.startswith("bad"):
             raise ModelLoadError(f"unknown model {spec!r}")
         return tiny_qwen

@@ -12,8 +12,11 @@ from mars_demo.engine import memory
 from mars_demo.engine.config import DecodeConfig
 from mars_demo.engine.decoding import generate
 from mars_demo.engine.kernels import PRECISION_ENV, PRECISIONS, ComputePath, check_precision, convert
+from mars_demo.engine.live import SharedBatches
 from mars_demo.engine.loading import BUNDLED
+from mars_demo.engine.serving import ServeConfig
 from mars_demo.ui.handlers import MODEL_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
+from mars_demo.ui.live import LIVE_OUTPUTS, LiveHandlers, LiveState
 from mars_demo.ui.models import ModelCache, ModelPolicy, default_compute_path, model_choices
 from mars_demo.ui.race import Session
 from mars_demo.ui.serving import ServingHandlers, ServingState
@@ -37,6 +40,11 @@ def sweep(handlers, precision):
 def serve(handlers, precision):
     serving = ServingHandlers(handlers, chart_every=60.0)
     return list(serving.run("poisson", 20.0, ["fixed:1.0"], "", 2, 60, 2, 8, BUNDLED, ServingState(), precision))
+
+
+def live_send(handlers, precision):
+    live = LiveHandlers(handlers, SharedBatches(ServeConfig(max_batch=2, max_new_tokens=8), idle=5.0), poll=0.05)
+    return list(live.send("Hello there.", BUNDLED, LiveState(), None, precision))  # None: the gr.Request
 
 
 @pytest.fixture
@@ -74,7 +82,8 @@ def test_the_setting_is_checked_like_precision(spy, monkeypatch):
     assert str(expected.value) in view["model_line"].replace("&#x27;", "'") and 'class="model-status error"' in \
         view["model_line"]
     assert view["precision"] == "int8" and spy.calls == []  # the setting goes back; nothing loaded
-    for handler in (lambda p: race(spy, Session(), p), lambda p: sweep(spy, p), lambda p: serve(spy, p)):
+    for handler in (lambda p: race(spy, Session(), p), lambda p: sweep(spy, p), lambda p: serve(spy, p),
+                    lambda p: live_send(spy, p)):
         with pytest.raises(gr.Error, match="precision must be one of") as err:
             handler(BAD)
         assert err.value.title == "Bad setting"
@@ -137,6 +146,9 @@ def test_every_handler_that_loads_passes_the_path(spy):
     assert spy.calls[-1] == (BUNDLED, "int8") and named(SWEEP_OUTPUTS, last)["sweep_table"]
     outputs = serve(spy, "fp32")
     assert spy.calls[-1] == (BUNDLED, "fp32") and "Finished" in outputs[-1][0]
+    *_, last = live_send(spy, "bf16")
+    assert spy.calls[-1] == (BUNDLED, "bf16") and 'data-status="done"' in named(LIVE_OUTPUTS, last)["live_pane"]
+    assert len(spy.calls) == 4  # one model in memory: bf16 went for int8, and came back for the live batch
     assert spy.guarded == spy.calls
 
 
@@ -201,7 +213,8 @@ def test_the_app_wires_the_setting_into_every_loading_event(monkeypatch):
         if name in ("show_model", "run", "sweep"):
             takes.setdefault(name, []).append(setting in fn.inputs)
     assert takes["show_model"] == [True, True, True] and all(takes["run"]) and takes["sweep"] == [True]
-    assert sum(setting in fn.inputs for fn in demo.fns.values()) == 6  # page load, picker, path, race, sweep, serving
+    # page load, picker, path, race, sweep, serving, live (send, enter)
+    assert sum(setting in fn.inputs for fn in demo.fns.values()) == 6 + 2 * (demo.live is not None)
     monkeypatch.setattr(app.DemoHandlers, "__init__", _gpu_init(app.DemoHandlers.__init__))
     gpu_demo = app.build_demo(lambda spec, precision=None: pytest.fail("no load"))
     assert gpu_demo.components["precision"].interactive is False

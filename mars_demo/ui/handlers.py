@@ -192,8 +192,10 @@ class DemoHandlers:
                        precision=gr.update(value=session.precision or default_compute_path()[0]))
 
     def _hold(self, spec: str | None, stack: ExitStack, request: gr.Request | None, path: str | None = None):
-        """The model for a run on compute path ``path`` (from ``_path``), held (never dropped) until ``stack`` closes."""
+        """The model for a run on compute path ``path`` (from ``_path``; None: the setting's default), held (never
+        dropped) until ``stack`` closes."""
         try:
+            path = self.compute_path(None) if path is None else path
             return stack.enter_context(self.models.hold(self.policy.check(spec), path))
         except Exception as err:  # noqa: BLE001 - refused with one message; the reason goes to the log
             raise error(self._refusal(spec, err), "Model not loaded", request) from None

@@ -141,8 +141,10 @@ class LiveHandlers:
         if state.request is not None:
             state.request.cancel()
 
-    def send(self, prompt, spec, state: LiveState, request: gr.Request = None) -> Iterator[tuple]:
-        """Queue the prompt in the shared batch and stream this visitor's passes (LIVE_OUTPUTS)."""
+    def send(self, prompt, spec, state: LiveState, request: gr.Request = None,
+             precision: str | None = None) -> Iterator[tuple]:
+        """Queue the prompt in the shared batch of the model on the sidebar's compute path (``precision``)
+        and stream this visitor's passes (LIVE_OUTPUTS)."""
         text = prompt if isinstance(prompt, str) else ""
         if not text.strip():
             raise error("Type a prompt first, or pick one of the examples.", "Empty prompt", request)
@@ -152,8 +154,9 @@ class LiveHandlers:
         if state.request is not None and not state.request.ended:
             raise error("Your previous request is still in the shared batch: wait for it, or press Stop.",
                         "Already sent", request)
+        path = self.demo._path(precision, request)  # checked as --precision is; the model cache's key
         with ExitStack() as held:
-            lm = self.demo._hold(spec, held, request)
+            lm = self.demo._hold(spec, held, request, path)
             try:
                 live = self.batches.submit(lm, prompt_ids(lm.tokenizer, text),
                                            request.session_hash if request is not None else None)
