@@ -135,7 +135,7 @@ class ModelCache:
         return [key for key in self._models if not self._users[key]]  # oldest first
 
     def get(self, spec: str, precision: str | None = None, *, use: bool = False) -> LoadedModel:
-        """The model for ``spec`` on ``precision``'s path, loading it if needed (``use``: count one more user; see ``hold``).
+        """The model for ``spec`` on ``precision``'s path, loading it if needed (``use``: one more user; see ``hold``).
 
         Raises ``ModelBusy`` when the cache is full of models in use; the guard's and the loader's errors propagate.
         """
