@@ -98,7 +98,10 @@ def _slider(name: str, label: str, value, info: str | None = None, **kwargs) -> 
 
 
 def trace_store(directory: str | Path | None = None) -> TraceStore:
-    """The trace folder (MARS_DEMO_TRACE_DIR), bounded by MARS_DEMO_TRACE_FILES (files) and MARS_DEMO_TRACE_AGE (seconds)."""
+    """The trace folder (MARS_DEMO_TRACE_DIR).
+
+    Bounded by MARS_DEMO_TRACE_FILES (files) and MARS_DEMO_TRACE_AGE (seconds).
+    """
     return TraceStore(
         directory or os.environ.get("MARS_DEMO_TRACE_DIR") or Path(tempfile.gettempdir()) / "mars_demo_traces",
         max_files=int(os.environ.get("MARS_DEMO_TRACE_FILES", "200")),
@@ -198,7 +201,9 @@ def _race_tab() -> dict:
             for name in row:
                 c[name] = _plot(figures[name], PLOT_IDS[name])
     with gr.Row():
-        c["json_file"] = gr.DownloadButton("Download trace (JSON)", interactive=False, size="md", elem_id="download-json")
+        c["json_file"] = gr.DownloadButton(
+            "Download trace (JSON)", interactive=False, size="md", elem_id="download-json"
+        )
         c["csv_file"] = gr.DownloadButton("Download trace (CSV)", interactive=False, size="md", elem_id="download-csv")
     return c
 
@@ -236,7 +241,9 @@ def _serving_tab() -> dict:
     c = {"serve_state": gr.State(lambda: ServingState())}
     gr.Markdown(SERVING_INTRO)
     with gr.Row():
-        c["serve_arrivals"] = gr.Radio(["poisson", "burst"], value="poisson", label="Arrivals", elem_id="serve-arrivals")
+        c["serve_arrivals"] = gr.Radio(
+            ["poisson", "burst"], value="poisson", label="Arrivals", elem_id="serve-arrivals"
+        )
         c["serve_rate"] = _serving_slider("rate", "Rate (requests / s)", 0.05)
         c["serve_requests"] = _serving_slider("requests", "Requests per policy", 1)
         c["serve_time_limit"] = _serving_slider("time_limit", "Time limit (s, whole run)", 5)
@@ -254,7 +261,9 @@ def _serving_tab() -> dict:
     for row in (("serve_tau", "serve_queue"), ("serve_throughput", "serve_latency")):
         with gr.Row():
             for name in row:
-                c[name] = gr.Plot(show_label=False, min_width=380, elem_id=name.replace("_", "-"), elem_classes="plot-cell")
+                c[name] = gr.Plot(
+                    show_label=False, min_width=380, elem_id=name.replace("_", "-"), elem_classes="plot-cell"
+                )
     c["serve_totals"] = gr.Dataframe(headers=TOTAL_HEADERS, label="Totals", interactive=False, elem_id="serve-totals")
     return c
 

@@ -21,8 +21,10 @@ from mars_demo.ui.race import VIEW_EVERY, LaneCadence, RaceTrace, Session, inter
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 
 PROMPT = "Explain why the sky is blue."
-SETTINGS = {"spec": BUNDLED, "tau": 0.9, "block_size": 4, "max_new_tokens": 24, "metric": "probability", "temperature": 0.0,
-                "full_window": False, "with_ar": True}
+SETTINGS = {
+    "spec": BUNDLED, "tau": 0.9, "block_size": 4, "max_new_tokens": 24, "metric": "probability", "temperature": 0.0,
+    "full_window": False, "with_ar": True,
+}
 
 
 def is_skip(value) -> bool:
@@ -109,7 +111,8 @@ def test_charts_refresh_while_the_run_streams(handlers):
 
 def test_passes_alternate_until_one_side_is_done(tiny_qwen):
     config = DecodeConfig(max_new_tokens=16, tau=0.0)
-    order = [side for side, _ in interleave(generate(tiny_qwen, PROMPT, config), generate(tiny_qwen, PROMPT, config.with_(mode="ar")))]
+    ar = generate(tiny_qwen, PROMPT, config.with_(mode="ar"))
+    order = [side for side, _ in interleave(generate(tiny_qwen, PROMPT, config), ar)]
     n_mars = order.count("mars")
     assert order[: 2 * n_mars] == ["mars", "ar"] * n_mars
     assert set(order[2 * n_mars :]) == {"ar"}  # MARS needs fewer passes; AR finishes alone

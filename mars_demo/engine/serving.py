@@ -256,7 +256,8 @@ class ServingLoop:
         served = self.served[request.id] = Served(request)
         room = context_limit(self.model) - len(request.prompt) - 2 * self.config.block_size
         if not request.prompt or room < 1:
-            why = "the prompt is empty" if not request.prompt else f"the prompt is {len(request.prompt)} tokens: too long"
+            size = len(request.prompt)
+            why = "the prompt is empty" if not size else f"the prompt is {size} tokens: too long"
             self._end(served, "error", why)
         else:
             self.queue.append(request.id)

@@ -211,7 +211,9 @@ SERVING_LAYOUT = {"template": "plotly_white", "height": 300, "margin": {"l": 50,
                   "legend": {"orientation": "h", "y": -0.25}}
 
 
-def _serving_lines(curves: dict[str, tuple[list, list]], title: str, y_title: str, shape: str = "linear", markers=False) -> go.Figure:
+def _serving_lines(
+    curves: dict[str, tuple[list, list]], title: str, y_title: str, shape: str = "linear", markers=False
+) -> go.Figure:
     fig = go.Figure([
         go.Scatter(x=x, y=y, name=name, mode="lines+markers" if markers else "lines", line={"shape": shape})
         for name, (x, y) in curves.items()
@@ -227,7 +229,8 @@ def tau_over_time(all_series: dict[str, dict]) -> go.Figure:
 
 
 def queue_over_time(all_series: dict[str, dict]) -> go.Figure:
-    return _serving_lines({n: (s["clock"], s["queue"]) for n, s in all_series.items()}, "Requests waiting", "queue", "hv")
+    curves = {n: (s["clock"], s["queue"]) for n, s in all_series.items()}
+    return _serving_lines(curves, "Requests waiting", "queue", "hv")
 
 
 def rolling_throughput(series: dict, window: float) -> tuple[list[float], list[float]]:

@@ -206,7 +206,9 @@ class DemoHandlers:
         session.tau.set(float(value))
 
     # -- the race --------------------------------------------------------------------------
-    def _config(self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None, mode="mars") -> DecodeConfig:
+    def _config(
+        self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None, mode="mars"
+    ) -> DecodeConfig:
         try:
             return DecodeConfig(
                 mode=mode, tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
@@ -217,11 +219,15 @@ class DemoHandlers:
 
     def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session,
                  owner: str | None = None) -> tuple:
-        """RACE_OUTPUTS: both panes, four figures, the JSON and CSV download buttons; gr.skip() for what did not change."""
+        """RACE_OUTPUTS: both panes, four figures, the JSON and CSV download buttons.
+
+        gr.skip() for what did not change.
+        """
         mars, ar = trace.steps("mars"), trace.steps("ar")
         out: dict = {}
         if "mars" in panes:
-            out["mars_pane"] = mars_pane(mars, _side_status(trace, "mars"), trace.finish_reason("mars"), trace.config.mode)
+            status = _side_status(trace, "mars")
+            out["mars_pane"] = mars_pane(mars, status, trace.finish_reason("mars"), trace.config.mode)
         if "ar" in panes:
             out["ar_pane"] = ar_pane(ar, _side_status(trace, "ar"), trace.finish_reason("ar"))
         if charts_due:
@@ -241,7 +247,8 @@ class DemoHandlers:
         return outputs(RACE_OUTPUTS, **out)
 
     def run(
-        self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar, session: Session,
+        self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar,
+        session: Session,
         mode: str = "mars", precision: str | None = None,
         request: gr.Request = None,
     ) -> Iterator[tuple]:
@@ -321,7 +328,10 @@ class DemoHandlers:
         self, prompts, taus, max_new_tokens, spec, block_size, metric, temperature, full_window=False,
         precision: str | None = None, request: gr.Request = None, progress=gr.Progress(),
     ) -> Iterator[tuple]:
-        """Run the chosen prompts at each tau (and 1.0, and AR); yield after every run, the frontier after every prompt."""
+        """Run the chosen prompts at each tau (and 1.0, and AR).
+
+        Yields after every run, and the frontier after every prompt.
+        """
         prompts = list(prompts or [])
         try:
             runs_planned = plan(prompts, [float(t) for t in taus or []])

@@ -139,10 +139,13 @@ def _tokens(step: StepEvent, mars: bool) -> str:
     return "".join(spans)
 
 
-def _pane(side: str, name: str, body: str, steps: Sequence[StepEvent], status: str, finish: str | None, foot: str = "") -> str:
+def _pane(
+    side: str, name: str, body: str, steps: Sequence[StepEvent], status: str, finish: str | None, foot: str = ""
+) -> str:
+    chip, stats = _chip(status, finish), _stats(steps, side == "mars")
     return (
         f'<div class="pane {side}" data-side="{side}" data-status="{escape(status)}" data-passes="{len(steps)}">'
-        f'<div class="head"><span class="name">{name}</span>{_chip(status, finish)}{_stats(steps, side == "mars")}</div>'
+        f'<div class="head"><span class="name">{name}</span>{chip}{stats}</div>'
         f'<div class="text">{body}</div>{foot}</div>'
     )
 

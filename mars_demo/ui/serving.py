@@ -88,7 +88,9 @@ def _number(value, name: str, label: str, integer: bool = False) -> float:
     return int(number) if integer else number
 
 
-def parse_settings(arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens) -> tuple[SimConfig, float]:
+def parse_settings(
+    arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens
+) -> tuple[SimConfig, float]:
     """The tab's values as a SimConfig and a time limit; a ValueError with one clear sentence otherwise."""
     if arrivals not in ARRIVALS:
         raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}")
@@ -126,7 +128,9 @@ class ServingHandlers:
     ) -> Iterator[tuple]:
         """Replay the seeded requests under each policy; yields (status, tau, queue, throughput, latency, totals)."""
         try:
-            config, limit = parse_settings(arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens)
+            config, limit = parse_settings(
+                arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens
+            )
         except ValueError as err:
             raise error(sentence(str(err)), "Bad setting", request) from None
         path = self.demo._path(precision, request)  # checked as --precision is; the model cache's key
@@ -161,7 +165,8 @@ class ServingHandlers:
             add_agreement(summaries, runs, reference)
         stopped = state.stop.is_set() or time.monotonic() > stop_at
         note = "Stopped" if state.stop.is_set() else "Time limit reached" if stopped else "Finished"
-        yield self._view(f"{note}: {len(runs)} of {len(config.policies)} policies served.", _all_series(runs), summaries)
+        line = f"{note}: {len(runs)} of {len(config.policies)} policies served."
+        yield self._view(line, _all_series(runs), summaries)
 
     def _progress(self, run, number: int, config: SimConfig, runs: list, summaries: list[dict]) -> tuple:
         ended = sum(s.ended for s in run.loop.served.values())

@@ -72,7 +72,9 @@ def plan(prompts: Sequence[str], taus: Sequence[float]) -> list[tuple[str, str, 
     return [run for p in prompts for run in [(p, "ar", None)] + [(p, "mars", t) for t in levels]]
 
 
-def sweep_runs(lm: LoadedModel, prompts: Sequence[str], taus: Sequence[float], config: DecodeConfig) -> Iterator[SweepRun]:
+def sweep_runs(
+    lm: LoadedModel, prompts: Sequence[str], taus: Sequence[float], config: DecodeConfig
+) -> Iterator[SweepRun]:
     """Decode every planned run with ``config`` (its tau and mode replaced per run), one at a time."""
     for prompt, mode, tau in plan(prompts, taus):
         run_config = config.with_(mode=mode, tau=REFERENCE_TAU if tau is None else tau)
