@@ -1,4 +1,4 @@
-"""CPU compute paths for decoding: fp32, bf16 or int8 weights, chosen by measuring this machine.
+"""CPU compute paths for decoding: fp32, bf16 or two int8 paths, chosen by measuring this machine.
 
 What a wider pass costs differs from CPU to CPU (BENCHMARKS.md has the curves), so ``select``
 times each path here, checks its teacher-forced dNLL against fp32, caches the table (keyed by
@@ -7,8 +7,9 @@ MARS pass-width cap comes from the same curve (docs/METHOD.md, "CPU compute path
 
 Every non-fp32 path is row-exact, a row's output bit for bit independent of the rows fed with
 it: ``Int8Linear`` (per-output-channel int8 weights, bf16 activations, no activation scale
-shared across rows) and ``row_exact_attention`` (each row attends as a one-token pass). So
-MARS at tau = 1.0 and exact decoding equal one-token AR on these paths.
+shared across rows), ``RowInt8Linear`` (int8 x int8 GEMM with one activation scale per row)
+and ``row_exact_attention`` (each row attends as a one-token pass). So MARS at tau = 1.0 and
+exact decoding equal one-token AR on these paths.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,8 +35,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 logger = logging.getLogger(__name__)
 
-PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8")
-PATHS: tuple[str, ...] = ("fp32", "bf16", "int8")
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
+PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
+# Bumped when a path's kernels change, so cached cost tables are measured again.
+KERNELS_VERSION = 2
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
@@ -42,6 +47,9 @@ DNLL_LIMIT = 0.03
 # Calibration: CALIBRATION_TEXT and the first rows of held-out chat answers (none trained on).
 CALIBRATION_FILE = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_val64.jsonl"
 CALIBRATION_ROWS = 4
+# int8dyn's activation ranges (for smoothing) come from other held-out rows than the dNLL check's.
+SMOOTHING_ROWS = range(8, 16)
+SMOOTHING_ALPHA = 0.5
 # Passes up to this many rows attend row by row; longer ones (prefills) in one call,
 # the same for every decoder, so they need no row-exactness.
 ROW_EXACT_MAX_ROWS = 16
@@ -132,8 +140,192 @@ AttentionInterface.register(ROW_EXACT, row_exact_attention)
 AttentionMaskInterface.register(ROW_EXACT, sdpa_mask)
 
 
-def convert(model: PreTrainedModel, path: str, *, row_exact: bool = True) -> PreTrainedModel:
-    """Put ``model`` (fp32, on a CPU) on ``path`` in place; ``row_exact`` adds the row-exact attention."""
+# -- int8dyn: int8 x int8 GEMMs with one activation scale per row --------------------------------
+# fbgemm's dynamic linear quantises its whole input with one range (min, max). Each row is divided by
+# its own max |x|, so it lies in [-1, 1] exactly (IEEE division is monotonic and m / m = 1), and two
+# pin columns holding +1 and -1 (their weights zero) make that range [-1, 1] whatever the other rows
+# hold: a row's integers, hence its output, do not depend on the rows fed beside it.
+DYN_WEIGHT_QMAX = 63  # 7-bit weights: AVX2's u8 x s8 pair sums cannot saturate int16 (2 * 255 * 63 < 32767)
+DYN_PINS = 2
+DYN_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings fed the same input
+SMOOTHABLE = ("llama", "qwen2")  # RMSNorm as weight * x, attention and MLP as in these models
+_scratch = threading.local()  # input buffers per thread: two decoding threads never share one
+
+
+def _pinned_input(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (rows, width + 2) buffer whose last two columns hold +1 and -1, and a view of its first ``width``."""
+    cache = _scratch.__dict__.setdefault("buffers", {})
+    found = cache.get((rows, width))
+    if found is None:
+        buffer = torch.zeros(rows, width + DYN_PINS)
+        buffer[:, width], buffer[:, width + 1] = 1.0, -1.0
+        found = (buffer, buffer[:, :width])
+        if rows <= ROW_EXACT_MAX_ROWS:  # decoding passes reuse theirs; prefill lengths vary
+            cache[(rows, width)] = found
+    return found
+
+
+class RowInt8Linear(nn.Module):
+    """fbgemm's dynamic int8 linear, row-exact: one activation scale per row, 7-bit per-channel weights."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        weight = weight.detach().float()  # (out, in)
+        self.out_features, self.in_features = weight.shape
+        scale = weight.abs().amax(dim=1).clamp_min(1e-8) / DYN_WEIGHT_QMAX
+        ints = torch.round(weight / scale[:, None]).clamp(-DYN_WEIGHT_QMAX, DYN_WEIGHT_QMAX)
+        ints = torch.cat([ints, ints.new_zeros(self.out_features, DYN_PINS)], dim=1).to(torch.int8)
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's packing still takes one
+            warnings.simplefilter("ignore")
+            quantized = torch._make_per_channel_quantized_tensor(ints, scale.double(), zeros, 0)
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        buffer, view = _pinned_input(rows.shape[0], self.in_features)
+        row_max = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30)
+        torch.div(rows, row_max, out=view)
+        y = torch.ops.quantized.linear_dynamic(buffer, self.packed, False).mul_(row_max)
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+class FusedLinears(nn.Module):
+    """Sibling linears fed the same input (q/k/v, gate/up) as one RowInt8Linear: one GEMM, one scale per row."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([lin.weight.new_zeros(lin.out_features) if b is None else b.detach()
+                              for lin, b in zip(linears, biases)])
+        self.linear = RowInt8Linear(torch.cat([lin.weight.detach() for lin in linears]), bias)
+        self.last: tuple = (None, None)  # (input, output) of the latest call, for the next sibling
+
+
+class FusedSlice(nn.Module):
+    """One sibling's columns of a FusedLinears output; the first sibling called computes them for all."""
+
+    def __init__(self, group: FusedLinears, start: int, stop: int, last: bool) -> None:
+        super().__init__()
+        self._group = (group,)  # a tuple keeps the group out of this module's children: one owner
+        self.start, self.stop, self.last = start, stop, last
+        self.in_features, self.out_features = group.linear.in_features, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self._group[0]
+        seen = group.last  # one read of one tuple: another thread's call cannot tear it
+        y = seen[1] if seen[0] is x else group.linear(x)
+        group.last = (None, None) if self.last else (x, y)
+        return y[..., self.start : self.stop]
+
+
+def _to_row_int8(model: PreTrainedModel) -> None:
+    """Swap every nn.Linear for RowInt8Linear, sibling groups fused."""
+    for module in list(model.modules()):
+        for names in DYN_GROUPS:
+            linears = [getattr(module, name, None) for name in names]
+            if not all(type(lin) is nn.Linear for lin in linears) or len({lin.in_features for lin in linears}) > 1:
+                continue
+            group, start = FusedLinears(linears), 0
+            module.add_module("fused_" + "_".join(n.split("_")[0] for n in names), group)
+            for i, (name, lin) in enumerate(zip(names, linears)):
+                setattr(module, name, FusedSlice(group, start, start + lin.out_features, i == len(names) - 1))
+                start += lin.out_features
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, RowInt8Linear(child.weight, child.bias))
+
+
+# -- smoothing (SmoothQuant, Xiao et al. 2023): activation outliers moved into the weights ----------
+def activation_ranges(model: PreTrainedModel, texts: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each nn.Linear's largest |input| per input channel over ``texts`` (token ids (1, n)), by module name."""
+    ranges: dict[str, torch.Tensor] = {}
+
+    def record(name: str):
+        def hook(module, inputs, output):
+            seen = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(0).float()
+            ranges[name] = torch.maximum(ranges[name], seen) if name in ranges else seen
+        return hook
+
+    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if type(m) is nn.Linear]
+    try:
+        with torch.inference_mode():
+            for ids in texts:
+                model(input_ids=ids)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return ranges
+
+
+def _divisor(act: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-channel divisor of the activations (and multiplier of the weights' columns)."""
+    return (act.clamp_min(1e-5) ** alpha / weight_max.clamp_min(1e-5) ** (1 - alpha)).clamp(1e-3, 1e3)
+
+
+def _smooth_layer(layer: nn.Module, ranges: dict, prefix: str, alpha: float, groups: int) -> None:
+    """Fold divisors into one decoder layer: norms' weights for q/k/v and gate/up, v rows for o, up rows for down."""
+    att, mlp = layer.self_attn, layer.mlp
+    for norm, first, linears in ((layer.input_layernorm, "self_attn.q_proj", [att.q_proj, att.k_proj, att.v_proj]),
+                                 (layer.post_attention_layernorm, "mlp.gate_proj", [mlp.gate_proj, mlp.up_proj])):
+        weight_max = torch.cat([lin.weight for lin in linears]).abs().amax(0)
+        s = _divisor(ranges[f"{prefix}.{first}"], weight_max, alpha)
+        norm.weight.div_(s)
+        for lin in linears:
+            lin.weight.mul_(s)
+    s = _divisor(ranges[f"{prefix}.mlp.down_proj"], mlp.down_proj.weight.abs().amax(0), alpha)
+    mlp.up_proj.weight.div_(s[:, None])
+    mlp.down_proj.weight.mul_(s)
+    # o_proj's input channel h * head_dim + d comes from v channel (h // groups) * head_dim + d
+    head_dim = att.head_dim
+    by_kv = (-1, groups, head_dim)
+    act = ranges[f"{prefix}.self_attn.o_proj"].view(by_kv).amax(1).reshape(-1)
+    s = _divisor(act, att.o_proj.weight.abs().amax(0).view(by_kv).amax(1).reshape(-1), alpha)
+    att.v_proj.weight.div_(s[:, None])
+    if att.v_proj.bias is not None:
+        att.v_proj.bias.div_(s)
+    att.o_proj.weight.mul_(s.view(-1, 1, head_dim).expand(by_kv).reshape(-1))
+
+
+@torch.no_grad()
+def fold_smoothing(model: PreTrainedModel, ranges: dict[str, torch.Tensor], alpha: float = SMOOTHING_ALPHA) -> bool:
+    """Divide activations by per-channel factors and multiply the weights by them, exact in real arithmetic.
+
+    Per-row int8 activations lose the small channels of a row that holds one outlier channel;
+    smoothing trades that range between activations and weights. The factors go where they cost no
+    work in a pass: RMSNorm weights, v_proj and up_proj rows, an untied copy of the head. False (and
+    nothing changed) on a model type whose layout is not known to fit.
+    """
+    config = model.config
+    if config.model_type not in SMOOTHABLE or not ranges:
+        return False
+    groups = config.num_attention_heads // config.num_key_value_heads
+    for i, layer in enumerate(model.model.layers):
+        _smooth_layer(layer, ranges, f"model.layers.{i}", alpha, groups)
+    head = model.lm_head
+    s = _divisor(ranges["lm_head"], head.weight.abs().amax(0), alpha)
+    model.model.norm.weight.div_(s)
+    untied = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
+    untied.weight = nn.Parameter(head.weight.detach() * s, requires_grad=False)
+    if head.bias is not None:
+        untied.bias = nn.Parameter(head.bias.detach().clone(), requires_grad=False)
+    model.lm_head = untied
+    return True
+
+
+def convert(
+    model: PreTrainedModel, path: str, *, row_exact: bool = True, smoothing: list[torch.Tensor] | None = None
+) -> PreTrainedModel:
+    """Put ``model`` (fp32, on a CPU) on ``path`` in place; ``row_exact`` adds the row-exact attention.
+
+    ``smoothing``: token id tensors (1, n) whose activation ranges int8dyn smooths by (none: no smoothing).
+    """
     if path not in PATHS:
         raise ValueError(f"unknown compute path {path!r}")
     if path == "bf16":
@@ -143,6 +335,10 @@ def convert(model: PreTrainedModel, path: str, *, row_exact: bool = True) -> Pre
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
                     setattr(module, name, Int8Linear(child))
+    elif path == "int8dyn":
+        if smoothing:
+            fold_smoothing(model, activation_ranges(model, smoothing))
+        _to_row_int8(model)
     if path != "fp32" and row_exact:
         model.set_attn_implementation(ROW_EXACT)
     return model
@@ -204,12 +400,25 @@ def pass_costs(model: PreTrainedModel, widths: range, *, context: int = 128, rep
     return costs
 
 
+def _held_out_texts(rows: range) -> list[str]:
+    if not CALIBRATION_FILE.is_file():
+        return []
+    lines = CALIBRATION_FILE.read_text().splitlines()
+    return [f"{row['prompt']}\n\n{row['response']}" for row in (json.loads(lines[i]) for i in rows if i < len(lines))]
+
+
 def calibration_texts() -> list[str]:
-    texts = [CALIBRATION_TEXT]
-    if CALIBRATION_FILE.is_file():
-        rows = [json.loads(line) for line in CALIBRATION_FILE.read_text().splitlines()[:CALIBRATION_ROWS]]
-        texts += [f"{row['prompt']}\n\n{row['response']}" for row in rows]
-    return texts
+    """The dNLL check's texts: CALIBRATION_TEXT and the first CALIBRATION_ROWS held-out answers."""
+    return [CALIBRATION_TEXT] + _held_out_texts(range(CALIBRATION_ROWS))
+
+
+def smoothing_texts() -> list[str]:
+    """int8dyn's activation-range texts: other held-out answers than the dNLL check's, if there are any."""
+    return _held_out_texts(SMOOTHING_ROWS) or [CALIBRATION_TEXT]
+
+
+def token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: int = 256) -> list[torch.Tensor]:
+    return [tokenizer(text, return_tensors="pt").input_ids[:, :limit] for text in texts]
 
 
 def text_nll(model: PreTrainedModel, texts: list[torch.Tensor]) -> float:
@@ -246,7 +455,7 @@ def table_key(model: PreTrainedModel, widths: range) -> str:
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     params = sum(p.numel() for p in model.parameters())
     return "|".join([
-        cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
+        cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"kernels={KERNELS_VERSION}",
         f"transformers={transformers.__version__}", f"model={name}", f"params={params}", f"widths={widths.stop - 1}",
     ])
 
@@ -258,13 +467,16 @@ def _read_table(path: Path) -> dict:
         return {}
 
 
-def _measure(model: PreTrainedModel, paths: tuple[str, ...], widths: range, calibration: list[torch.Tensor]) -> dict:
+def _measure(
+    model: PreTrainedModel, paths: tuple[str, ...], widths: range, calibration: list[torch.Tensor],
+    smoothing: list[torch.Tensor],
+) -> dict:
     """Each path's cost curve and dnll, converting copies of the fp32 ``model``."""
     reference = text_nll(model, calibration)
     found = {}
     for path in paths:
         started = time.perf_counter()
-        candidate = model if path == "fp32" else convert(copy.deepcopy(model), path)
+        candidate = model if path == "fp32" else convert(copy.deepcopy(model), path, smoothing=smoothing)
         costs = pass_costs(candidate, widths)
         dnll = 0.0 if path == "fp32" else text_nll(candidate, calibration) - reference
         found[path] = {"costs_ms": costs, "dnll": round(dnll, 4)}
@@ -294,9 +506,10 @@ def select(
     table_path = table_dir / TABLE_FILE
     entry = _read_table(table_path).get(key, {})
     cached = all(p in entry for p in paths)
+    smoothing = token_ids(tokenizer, smoothing_texts())
     if not cached:
-        calibration = [tokenizer(t, return_tensors="pt").input_ids[:, :256] for t in calibration_texts()]
-        entry.update(_measure(model, tuple(p for p in paths if p not in entry), widths, calibration))
+        calibration = token_ids(tokenizer, calibration_texts())
+        entry.update(_measure(model, tuple(p for p in paths if p not in entry), widths, calibration, smoothing))
         table = _read_table(table_path)
         table[key] = entry
         table_dir.mkdir(parents=True, exist_ok=True)
@@ -304,7 +517,7 @@ def select(
         staging.write_text(json.dumps(table, indent=1) + "\n")
         staging.replace(table_path)
     chosen = choose({p: entry[p] for p in paths}) if precision == "auto" else precision
-    convert(model, chosen)
+    convert(model, chosen, smoothing=smoothing)
     costs = {int(w): ms for w, ms in entry[chosen]["costs_ms"].items()}
     return ComputePath(
         path=chosen, requested=precision, costs_ms=costs, max_fed=cap_from_costs(costs), dnll=entry[chosen]["dnll"],

@@ -209,8 +209,8 @@ def pick_device(device: str | None = None, precision: str | None = None) -> tupl
     dev = torch.device(device)
     if dev.type == "cpu":
         return dev, torch.float32
-    if precision == "int8":
-        raise ModelLoadError("precision int8 is a CPU path; on a GPU use auto, bf16 or fp32")
+    if precision in ("int8", "int8dyn"):
+        raise ModelLoadError(f"precision {precision} is a CPU path; on a GPU use auto, bf16 or fp32")
     return dev, (torch.float32 if precision == "fp32" else torch.bfloat16)
 
 
@@ -348,7 +348,7 @@ def load_model(
 ) -> LoadedModel:
     """Load a checkpoint spec (see the module docstring); ``None`` means the bundled default.
 
-    ``precision`` (auto, fp32, bf16, int8) puts a CPU model on a measured compute path
+    ``precision`` (auto, fp32, bf16, int8, int8dyn) puts a CPU model on a measured compute path
     (kernels.py) for decoding; its weights must not change afterwards (no training, no
     merging). None loads plain fp32 on a CPU (training, data), bf16 on a GPU.
     """
