@@ -13,16 +13,27 @@ from mars_demo.engine import kernels
 from mars_demo.engine.batching import collect_batch, generate_batch
 from mars_demo.engine.config import DecodeConfig, resolve_max_fed
 from mars_demo.engine.decoding import collect, generate
-from mars_demo.engine.kernels import Int8Linear, cap_from_costs, choose, convert, select
+from mars_demo.engine.kernels import (
+    FusedSlice,
+    Int8Linear,
+    RowInt8Linear,
+    activation_ranges,
+    cap_from_costs,
+    choose,
+    convert,
+    fold_smoothing,
+    select,
+    token_ids,
+)
 from mars_demo.engine.loading import ModelLoadError, default_precision
 from mars_demo.engine.prompts import prompt_ids
 
 from conftest import PROMPTS, make_lm
 
 
-def on_path(arch: str, path: str):
+def on_path(arch: str, path: str, smoothed: bool = False):
     lm = make_lm(arch)
-    convert(lm.model, path)
+    convert(lm.model, path, smoothing=token_ids(lm.tokenizer, PROMPTS) if smoothed else None)
     return lm
 
 
@@ -148,3 +159,67 @@ def test_bad_precision_is_one_line_and_exit_2(capsys, monkeypatch):
     assert default_precision() == "int8"
     with pytest.raises(ValueError, match="precision must be one of"):
         kernels.check_precision("fast")
+
+
+def test_row_int8_linear_keeps_each_rows_output_whatever_rows_come_with_it():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 80)
+    quantized = RowInt8Linear(linear.weight, linear.bias)
+    x = torch.randn(6, 96)
+    x[1] *= 1e4  # a loud row and a quiet one: a shared activation range would squash row 0
+    x[2] *= 1e-5
+    x[3, 7] = 300.0  # an outlier channel in one row
+    x[4] = 0.0
+    together = quantized(x)
+    for i in range(6):
+        assert torch.equal(quantized(x[i : i + 1])[0], together[i])
+    assert torch.equal(quantized(x[None, :3])[0], together[:3])  # (batch, rows, in) as a model feeds it
+    exact = linear(x)
+    for i in (0, 1, 2, 5):
+        assert (together[i] - exact[i]).norm() <= 0.03 * exact[i].norm()
+    assert torch.equal(together[4], linear.bias.detach())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_smoothing_folds_into_the_weights_without_changing_the_fp32_model(arch):
+    lm = make_lm(arch)
+    ids = token_ids(lm.tokenizer, PROMPTS)
+    embedding = lm.model.get_input_embeddings().weight.detach().clone()
+    with torch.inference_mode():
+        before = [lm.model(input_ids=t).logits for t in ids]
+    ranges = activation_ranges(lm.model, ids)
+    assert fold_smoothing(lm.model, ranges, alpha=0.5)
+    changed = lm.model.model.layers[0].input_layernorm.weight
+    assert not torch.allclose(changed, torch.ones_like(changed))  # the factors really moved somewhere
+    with torch.inference_mode():
+        for t, logits in zip(ids, before):
+            assert torch.allclose(lm.model(input_ids=t).logits, logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(lm.model.get_input_embeddings().weight, embedding)  # the head was untied, not scaled
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_smoothed_int8dyn_is_row_exact_and_exact_mode_equals_ar(arch):
+    lm = on_path(arch, "int8dyn", smoothed=True)
+    assert any(isinstance(m, FusedSlice) for m in lm.model.modules())
+    prompt = lm.tokenizer(PROMPTS[1]).input_ids
+    mask = lm.meta.mask_token_id
+    for fed in ([mask] * 3, [5, 6, mask, mask, mask]):
+        alone, wide = first_row_logits(lm.model, prompt, fed)
+        assert torch.equal(alone, wide)
+    for prompt in PROMPTS:
+        ar = collect(generate(lm, prompt, DecodeConfig(mode="ar", max_new_tokens=24)))
+        for config in (DecodeConfig(mode="exact", max_new_tokens=24), DecodeConfig(tau=1.0, max_new_tokens=24)):
+            assert collect(generate(lm, prompt, config)).token_ids == ar.token_ids
+
+
+def test_a_fused_sibling_fed_another_input_computes_its_own_columns():
+    lm = on_path("qwen2", "int8dyn")  # q/k/v with biases
+    attention = lm.model.model.layers[0].self_attn
+    x, y = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    with torch.inference_mode():
+        k_alone = attention.k_proj(y)
+        q = attention.q_proj(x)  # computes q, k and v of x
+        k_of_y = attention.k_proj(y)  # not x: must not reuse x's columns
+        assert torch.equal(k_of_y, k_alone)
+        assert torch.equal(attention.k_proj(x), attention.fused_q_k_v.linear(x)[..., 64:96])
+        assert torch.equal(q, attention.fused_q_k_v.linear(x)[..., :64])
