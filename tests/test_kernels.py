@@ -106,6 +106,10 @@ def test_auto_picks_the_fastest_path_that_keeps_quality():
     table["bf16"]["costs_ms"] = {1: 21.2, 4: 30}  # more than 5% slower: the faster one-token pass wins
     assert choose(table) == "int8"
     assert choose({"fp32": {"costs_ms": {"1": 9, "4": 9}, "dnll": 0.0}}) == "fp32"  # JSON keys are strings
+    table["int8dyn"] = {"costs_ms": {1: 20.5, 4: 24}, "dnll": 0.01}  # a hair slower at one token, flatter
+    assert choose(table) == "int8dyn"
+    table["int8dyn"]["dnll"] = 0.04
+    assert choose(table) == "int8"
 
 
 def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, monkeypatch):

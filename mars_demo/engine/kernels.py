@@ -190,7 +190,7 @@ class RowInt8Linear(nn.Module):
         y = torch.ops.quantized.linear_dynamic(buffer, self.packed, False).mul_(row_max)
         if self.bias is not None:
             y += self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class FusedLinears(nn.Module):
