@@ -182,6 +182,10 @@ def test_row_int8_linear_keeps_each_rows_output_whatever_rows_come_with_it():
     for i in (0, 1, 2, 5):
         assert (together[i] - exact[i]).norm() <= 0.03 * exact[i].norm()
     assert torch.equal(together[4], linear.bias.detach())
+    with torch.inference_mode():
+        inside = quantized(x[:2])
+    with torch.no_grad():  # buffers made under inference mode stay writable outside it (transformers' generate)
+        assert torch.equal(quantized(x[:2]), inside)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

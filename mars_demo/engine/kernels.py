@@ -157,9 +157,10 @@ def _pinned_input(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     cache = _scratch.__dict__.setdefault("buffers", {})
     found = cache.get((rows, width))
     if found is None:
-        buffer = torch.zeros(rows, width + DYN_PINS)
-        buffer[:, width], buffer[:, width + 1] = 1.0, -1.0
-        found = (buffer, buffer[:, :width])
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buffer = torch.zeros(rows, width + DYN_PINS)
+            buffer[:, width], buffer[:, width + 1] = 1.0, -1.0
+            found = (buffer, buffer[:, :width])
         if rows <= ROW_EXACT_MAX_ROWS:  # decoding passes reuse theirs; prefill lengths vary
             cache[(rows, width)] = found
     return found
