@@ -110,12 +110,22 @@ def _visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, k
 _last_mask: tuple = (None, None)  # every layer of a pass gets the same mask object: read it once
 
 
+def _attend_alone(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
+    """One query row (1, heads, 1, d) over the keys it sees, (1, 1, heads, d): what every row of a short pass runs."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=groups > 1)
+    return out.view(1, 1, query.shape[1], value.shape[-1])
+
+
 def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
     """SDPA in which each query row of a short pass attends alone, as in a one-token pass."""
     global _last_mask
     batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)
-    if q_len > ROW_EXACT_MAX_ROWS or (batch == 1 and q_len == 1 and attention_mask is None):
+    if q_len > ROW_EXACT_MAX_ROWS:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scaling = kwargs.get("scaling")
+    if batch == 1 and q_len == 1 and attention_mask is None:  # the one-token pass: the same call as every row's
+        return _attend_alone(module, query, key, value, scaling), None
     seen = _last_mask
     if attention_mask is not None and seen[0] is attention_mask:
         visible = seen[1]
@@ -129,7 +139,7 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
                 k, v = key[b : b + 1, :, :keys], value[b : b + 1, :, :keys]
             else:
                 k, v = key[b : b + 1, :, keys], value[b : b + 1, :, keys]
-            rows.append(sdpa_attention_forward(module, query[b : b + 1, :, i : i + 1], k, v, None, **kwargs)[0])
+            rows.append(_attend_alone(module, query[b : b + 1, :, i : i + 1], k, v, scaling))
     out = torch.cat(rows, dim=1).reshape(batch, q_len, *rows[0].shape[2:])  # (batch, q, heads, head_dim)
     return out, None
 
