@@ -50,12 +50,13 @@ CALIBRATION_ROWS = 4
 # int8dyn's activation ranges (for smoothing) come from other held-out rows than the dNLL check's.
 SMOOTHING_ROWS = range(8, 16)
 SMOOTHING_ALPHA = 0.5
-# Passes up to this many rows attend row by row, prefills included: a MARS or exact prefill
-# feeds the prompt and masks, AR's the prompt alone, and the prompt's rows must agree bit for
-# bit (SDPA over a block of rows rounds differently by block). Longer prompts attend in one call.
-ROW_EXACT_MAX_ROWS = 2048
-DYN_CACHED_ROWS = 16  # int8dyn keeps input buffers for passes up to this many rows (decoding, not prefills)
+# Passes up to this many rows attend row by row; longer ones (prefills) in one call. A MARS or
+# exact prefill feeds the prompt and masks, AR's the prompt alone, and SDPA over a block of rows
+# rounds by block size (~1e-6 in fp32): bf16 activations (int8, bf16) absorb it in practice;
+# int8dyn's per-row scales can turn it into a flipped token (BENCHMARKS.md, issue #15).
+ROW_EXACT_MAX_ROWS = 16
 ROW_EXACT = "mars_row_exact"
+DYN_CACHED_ROWS = 16  # int8dyn keeps input buffers for passes up to this many rows (decoding, not prefills)
 TABLE_FILE = "compute-paths.json"
 CALIBRATION_TEXT = (
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
