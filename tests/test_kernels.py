@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from mars_demo.cli import main
 from mars_demo.engine import kernels
@@ -232,3 +232,22 @@ def test_a_fused_sibling_fed_another_input_computes_its_own_columns():
         assert torch.equal(attention.k_proj(x), attention.fused_q_k_v.linear(x)[..., 64:96])
         assert torch.equal(q, attention.fused_q_k_v.linear(x)[..., :64])
 
+
+
+def test_int8dyn_prefill_rows_do_not_depend_on_the_masks_fed_after_them():
+    # MARS and exact prefills feed the prompt and masks, AR's the prompt alone. At SmolLM2's
+    # widths SDPA over a block of rows rounds differently with 3 more rows (~1e-6), which
+    # int8dyn's per-row quantisation can turn into another token, so its prefills attend row by row.
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=500, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=True,
+    )
+    model = convert(LlamaForCausalLM(config).eval(), "int8dyn")
+    for length in (45, 70):
+        ids = torch.randint(10, 500, (1, length + 3))
+        with torch.inference_mode():
+            alone = model(input_ids=ids[:, :length], output_hidden_states=True)
+            with_masks = model(input_ids=ids, output_hidden_states=True)
+        assert torch.equal(alone.hidden_states[1][0], with_masks.hidden_states[1][0, :length])
+        assert torch.equal(alone.logits[0], with_masks.logits[0, :length])

@@ -53,12 +53,15 @@ CALIBRATION_ROWS = 4
 # int8dyn's activation ranges (for smoothing) come from other held-out rows than the dNLL check's.
 SMOOTHING_ROWS = range(8, 16)
 SMOOTHING_ALPHA = 0.5
-# Passes up to this many rows attend row by row; longer ones (prefills) in one call. A MARS or
-# exact prefill feeds the prompt and masks, AR's the prompt alone, and SDPA over a block of rows
-# rounds by block size (~1e-6 in fp32): bf16 activations (int8, bf16) absorb it in practice;
-# int8dyn's per-row scales can turn it into a flipped token (BENCHMARKS.md, issue #15).
+# Passes up to this many rows attend row by row; longer ones (prefills) in one call.
 ROW_EXACT_MAX_ROWS = 16
 ROW_EXACT = "mars_row_exact"
+# int8dyn: prefills up to this many rows attend row by row too. A MARS or exact prefill feeds the
+# prompt and masks, AR's the prompt alone, and SDPA over a block of rows rounds by block size
+# (~1e-6 in fp32): bf16 activations (int8, bf16) absorb it in practice, int8dyn's per-row scales
+# can turn it into a flipped token (BENCHMARKS.md, issue #15). Longer prompts attend in one call.
+ROW_EXACT_PREFILL_ROWS = 2048
+ROW_EXACT_PREFILL = "mars_row_exact_prefill"
 DYN_CACHED_ROWS = 16  # int8dyn keeps input buffers for passes up to this many rows (decoding, not prefills)
 TABLE_FILE = "compute-paths.json"
 CALIBRATION_TEXT = (
@@ -123,11 +126,16 @@ def _attend_alone(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out.view(1, 1, query.shape[1], value.shape[-1])
 
 
-def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
-    """SDPA in which each query row of a short pass attends alone, as in a one-token pass."""
+def row_exact_prefill_attention(module, query, key, value, attention_mask, **kwargs):
+    """row_exact_attention with prefills of up to ROW_EXACT_PREFILL_ROWS rows attending row by row too."""
+    return row_exact_attention(module, query, key, value, attention_mask, max_rows=ROW_EXACT_PREFILL_ROWS, **kwargs)
+
+
+def row_exact_attention(module, query, key, value, attention_mask, max_rows: int = ROW_EXACT_MAX_ROWS, **kwargs):
+    """SDPA in which each query row of a pass of up to ``max_rows`` attends alone, as in a one-token pass."""
     global _last_mask
     batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)
-    if q_len > ROW_EXACT_MAX_ROWS:
+    if q_len > max_rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling")
     if batch == 1 and q_len == 1 and attention_mask is None:  # the one-token pass: the same call as every row's
@@ -154,6 +162,8 @@ AttentionInterface.register(ROW_EXACT, row_exact_attention)
 # Without a mask function of its own, transformers gives a custom attention no mask at all, and the
 # padded rows of a batch would attend to their padding: it builds the same masks as SDPA.
 AttentionMaskInterface.register(ROW_EXACT, sdpa_mask)
+AttentionInterface.register(ROW_EXACT_PREFILL, row_exact_prefill_attention)
+AttentionMaskInterface.register(ROW_EXACT_PREFILL, sdpa_mask)
 
 
 # -- int8dyn: int8 x int8 GEMMs with one activation scale per row --------------------------------
@@ -357,7 +367,7 @@ def convert(
             fold_smoothing(model, activation_ranges(model, smoothing))
         _to_row_int8(model)
     if path != "fp32" and row_exact:
-        model.set_attn_implementation(ROW_EXACT)
+        model.set_attn_implementation(ROW_EXACT_PREFILL if path == "int8dyn" else ROW_EXACT)
     return model
 
 
