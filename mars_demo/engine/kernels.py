@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
-# auto's candidates. int8dyn is a named path only: its prefills are not yet row-exact (see
-# ROW_EXACT_MAX_ROWS), so exact mode on it can part from AR (BENCHMARKS.md, issue #15).
+# auto's candidates. int8dyn is a named path only: its prefills attend row by row (see
+# ROW_EXACT_PREFILL_ROWS), a cost auto's pass curves do not weigh (BENCHMARKS.md, issue #15).
 AUTO_PATHS: tuple[str, ...] = ("fp32", "bf16", "int8")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
 KERNELS_VERSION = 2
