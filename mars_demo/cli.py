@@ -56,8 +56,8 @@ def add_max_fed_argument(parser: argparse.ArgumentParser) -> None:
 def add_precision_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision", choices=PRECISIONS, default=None,
-        help="CPU compute path: auto measures fp32, bf16 and int8 (weight-only) on this machine once and picks the "
-        "fastest that keeps quality; int8dyn (int8 x int8, per-row activation scales, flatter) only on request "
+        help="CPU compute path: auto measures fp32, bf16, int8 (weight-only) and int8dyn (int8 x int8, per-row "
+        "activation scales) on this machine once and picks the fastest that keeps quality "
         f"(default: ${PRECISION_ENV}, else auto)",
     )
 

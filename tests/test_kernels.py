@@ -123,9 +123,9 @@ def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, mon
     monkeypatch.setattr(kernels, "pass_costs", counting)
     lm = make_lm("llama")
     first = select(lm.model, lm.tokenizer, "auto", block_size=4, table_dir=tmp_path)
-    n = len(kernels.AUTO_PATHS)
+    n = len(kernels.PATHS)
     assert len(calls) == n and not first.cached and first.path in kernels.PATHS
-    assert first.max_fed == cap_from_costs(first.costs_ms) and set(first.candidates) == set(kernels.AUTO_PATHS)
+    assert first.max_fed == cap_from_costs(first.costs_ms) and set(first.candidates) == set(kernels.PATHS)
     table = json.loads((tmp_path / kernels.TABLE_FILE).read_text())
     assert len(table) == 1 and "threads=" in next(iter(table))
 

@@ -37,9 +37,6 @@ logger = logging.getLogger(__name__)
 
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
-# auto's candidates. int8dyn is a named path only: its prefills attend row by row (see
-# ROW_EXACT_PREFILL_ROWS), a cost auto's pass curves do not weigh (BENCHMARKS.md, issue #15).
-AUTO_PATHS: tuple[str, ...] = ("fp32", "bf16", "int8")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
 KERNELS_VERSION = 2
 PRECISION_ENV = "MARS_DEMO_PRECISION"
@@ -528,7 +525,7 @@ def select(
     """
     precision = check_precision(precision)
     widths = range(1, 2 * max(block_size, 2) + 1)
-    paths = AUTO_PATHS if precision == "auto" else (precision,)
+    paths = PATHS if precision == "auto" else (precision,)
     key = table_key(model, widths)
     table_path = table_dir / TABLE_FILE
     entry = _read_table(table_path).get(key, {})
