@@ -9,7 +9,7 @@ anything is opened, with one message whatever the spec is.
 
 ``ModelCache`` keeps at most ``capacity`` models, keyed by (spec, compute path), behind a
 lock: the same checkpoint on another CPU path (the sidebar's "Compute path": auto, fp32,
-bf16, int8; None on a GPU) is another entry, loaded and converted by ``loader(spec, precision)``.
+bf16, int8, int8dyn; None on a GPU) is another entry, loaded and converted by ``loader(spec, precision)``.
 Sessions asking for a loaded model share it, even while another one loads (one load
 at a time). A run holds its model (``hold``) for as long as it decodes; a model in
 use is never dropped: loading another spec drops the least recently used idle model,
@@ -108,7 +108,7 @@ def default_compute_path(env: Mapping[str, str] = os.environ) -> tuple[str, str]
         return "auto", f"{PRECISION_ENV}: {err}; using auto"
 
 
-COMPUTE_CHOICES = PRECISIONS  # auto, fp32, bf16, int8
+COMPUTE_CHOICES = PRECISIONS  # auto, fp32, bf16, int8, int8dyn
 
 
 class ModelCache:
