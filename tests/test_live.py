@@ -17,6 +17,7 @@ from mars_demo.engine.serving import Ladder, Load, ServeConfig, parse_policy
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 
 WAIT = 60.0  # most seconds a test waits for one update (a stuck worker fails the test instead of hanging it)
+LONG = 3 * NEW
 LOW = "demand:0=1,2=0.15,3=0.1"  # tiny random models need taus this low to accept several tokens per pass
 
 
@@ -92,7 +93,7 @@ def test_concurrent_submitters_each_get_what_they_would_decode_alone(tiny_lm, po
 
 
 def test_a_request_that_joins_a_running_batch_decodes_as_alone_and_the_tau_follows_the_load(tiny_qwen):
-    batch = shared(tiny_qwen)
+    batch = shared(tiny_qwen, new=LONG)  # long enough that the first is still decoding when the pause begins
     first = batch.submit(ids(tiny_qwen, 0), owner="a")
     early = first.next_update(WAIT)
     assert early.status == "running" and early.steps
@@ -101,7 +102,7 @@ def test_a_request_that_joins_a_running_batch_decodes_as_alone_and_the_tau_follo
     results = [[early, *drain(first)], *(drain(x) for x in later)]
     for prompt, updates in zip([ids(tiny_qwen, i) for i in (0, 2, 4)], results):
         tokens, taus = tokens_and_taus(updates)
-        assert updates[-1].status == "done" and tokens == alone(tiny_qwen, prompt, taus)
+        assert updates[-1].status == "done" and tokens == alone(tiny_qwen, prompt, taus, max_new=LONG)
     assert results[0][0].steps[0].tau == 1.0  # alone: tau 1.0
     assert {s.tau for u in results[0] for s in u.steps} >= {1.0, 0.1}  # three in the system: the lowest step
     # The tau of every pass is the policy's for the load it saw, and every request's pass carries that tau.

@@ -143,6 +143,7 @@ class SharedBatch:
         self.retired = False  # the worker went idle and this batch takes no more requests (SharedBatches)
         self._cond = threading.Condition()  # guards the inbox, the cancellations, the requests in flight
         self._step = threading.Lock()  # held by the worker for each iteration; ``paused`` takes it
+        self._pausing = 0  # callers waiting in ``paused``: the worker starts no iteration meanwhile
         self._inbox: list[LiveRequest] = []
         self._cancels: set[int] = set()
         self._live: dict[int, LiveRequest] = {}  # submitted and not ended
@@ -198,9 +199,19 @@ class SharedBatch:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """No pass runs inside this block (requests submitted meanwhile join together when it ends)."""
-        with self._step:
-            yield
+        """No pass runs inside this block (requests submitted meanwhile join together when it ends).
+
+        It starts at the end of the iteration under way: the worker lets a waiting pause go first.
+        """
+        with self._cond:
+            self._pausing += 1
+        try:
+            with self._step:
+                yield
+        finally:
+            with self._cond:
+                self._pausing -= 1
+                self._cond.notify_all()
 
     # -- the worker -------------------------------------------------------------------------
     def _work(self) -> None:
@@ -209,6 +220,7 @@ class SharedBatch:
                 if not self._cond.wait_for(lambda: self._live, timeout=self.idle):
                     self._thread, self._loop, self.retired = None, None, True
                     break
+                self._cond.wait_for(lambda: not self._pausing)
             with self._step, torch.inference_mode():
                 with self._cond:
                     inbox, self._inbox = self._inbox, []
