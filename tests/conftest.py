@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from mars_demo.engine.loading import LoadedModel, resolve_meta
+from mars_demo.engine.loading import LoadedModel, ModelLoadError, resolve_meta
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -92,3 +92,14 @@ def model_dir(tmp_path_factory) -> str:
     lm.model.save_pretrained(directory)
     lm.tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def tiny_loader(lm: LoadedModel):
+    """An app model loader that serves ``lm`` for every spec except those starting with "bad" (a load error)."""
+
+    def loader(spec: str, precision=None) -> LoadedModel:
+        if spec.startswith("bad"):
+            raise ModelLoadError(f"unknown model {spec!r}")
+        return lm
+
+    return loader

@@ -20,6 +20,8 @@ from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
 from mars_demo.ui.race import VIEW_EVERY, LaneCadence, RaceTrace, Session, interleave
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 
+from conftest import tiny_loader
+
 PROMPT = "Explain why the sky is blue."
 SETTINGS = {
     "spec": BUNDLED, "tau": 0.9, "block_size": 4, "max_new_tokens": 24, "metric": "probability", "temperature": 0.0,
@@ -33,11 +35,7 @@ def is_skip(value) -> bool:
 
 @pytest.fixture
 def handlers(tiny_qwen, tmp_path):
-    def loader(spec: str, precision=None):
-        if spec.startswith("bad"):
-            raise ModelLoadError(f"unknown model {spec!r}")
-        return tiny_qwen
-
+    loader = tiny_loader(tiny_qwen)
     # free text on, so "bad..." specs reach the loader; charts: first and last yield
     return DemoHandlers(loader, policy=ModelPolicy(tuple(model_choices(False)), free=True), chart_every=60.0,
                         trace_dir=tmp_path, stop_wait=1.0)

@@ -14,23 +14,21 @@ from test_serving import alone
 
 from mars_demo.engine.decoding import Detokenizer
 from mars_demo.engine.live import LiveUpdate, SharedBatches
-from mars_demo.engine.loading import BUNDLED, ModelLoadError
+from mars_demo.engine.loading import BUNDLED
 from mars_demo.engine.prompts import prompt_ids
 from mars_demo.engine.serving import PassStep, ServeConfig
 from mars_demo.ui.handlers import DemoHandlers, named
 from mars_demo.ui.live import BUSY_LIVE, LIVE_OUTPUTS, LiveHandlers, LiveState, LiveView, batches_from_env
 from mars_demo.ui.models import ModelPolicy, model_choices
 
+from conftest import tiny_loader
+
 NEW = 16
 
 
 @pytest.fixture
 def live(tiny_qwen, tmp_path):
-    def loader(spec: str, precision=None):
-        if spec.startswith("bad"):
-            raise ModelLoadError(f"unknown model {spec!r}")
-        return tiny_qwen
-
+    loader = tiny_loader(tiny_qwen)
     demo = DemoHandlers(loader, policy=ModelPolicy(tuple(model_choices(False)), free=False), trace_dir=tmp_path)
     batches = SharedBatches(ServeConfig(max_batch=2, max_new_tokens=NEW), policy=LOW, max_queue=1, idle=5.0)
     return LiveHandlers(demo, batches, chart_every=0.0, poll=0.05)

@@ -7,10 +7,12 @@ from html import unescape
 import gradio as gr
 import pytest
 
-from mars_demo.engine.loading import BUNDLED, ModelLoadError
+from mars_demo.engine.loading import BUNDLED
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelPolicy, model_choices
 from mars_demo.ui.serving import BOUNDS, ServingHandlers, ServingState, parse_settings
+
+from conftest import tiny_loader
 
 GOOD = {
     "arrivals": "poisson", "rate": 20.0, "policies": ["fixed:1.0", "fixed:0.9", "adaptive"], "extra": "", "requests": 6,
@@ -20,11 +22,7 @@ GOOD = {
 
 @pytest.fixture
 def serving(tiny_qwen, tmp_path):
-    def loader(spec: str, precision=None):
-        if spec.startswith("bad"):
-            raise ModelLoadError(f"unknown model {spec!r}")
-        return tiny_qwen
-
+    loader = tiny_loader(tiny_qwen)
     demo = DemoHandlers(loader, policy=ModelPolicy(tuple(model_choices(False)), free=True), trace_dir=tmp_path)
     return ServingHandlers(demo, chart_every=0.0)
 
