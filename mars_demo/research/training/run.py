@@ -329,4 +329,10 @@ def train(
         bar.close()
     if run.step == run.steps and run.main:
         (out_dir / "training.json").write_text(json.dumps(run.summary(), indent=2) + "\n")
+    if run.processes > 1:
+        # Every process waits for the main one's files, then the process group goes down in order:
+        # a process that exits with gloo's threads still running aborts ("terminate called without
+        # an active exception"), and `accelerate launch` then fails the whole run.
+        run.accelerator.wait_for_everyone()
+        run.accelerator.end_training()
     return run.result()
