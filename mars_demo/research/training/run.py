@@ -265,6 +265,19 @@ class Run:
         one = hardware(self.accelerator.device)
         return one if self.processes == 1 else f"{self.processes} processes x {one}"
 
+    def finish(self) -> None:
+        """training.json once the run is complete; under ``accelerate launch``, the process group goes down in order.
+
+        Every process waits for the main one's files first: a process that exits with gloo's threads
+        still running aborts ("terminate called without an active exception"), and the launcher
+        then fails the whole run.
+        """
+        if self.step == self.steps and self.main:
+            (self.out_dir / "training.json").write_text(json.dumps(self.summary(), indent=2) + "\n")
+        if self.processes > 1:
+            self.accelerator.wait_for_everyone()
+            self.accelerator.end_training()
+
     def result(self) -> TrainResult:
         return TrainResult(self.model, self.history, self.val_history, self.step, self.steps, self.seconds)
 
@@ -327,12 +340,5 @@ def train(
         raise
     finally:
         bar.close()
-    if run.step == run.steps and run.main:
-        (out_dir / "training.json").write_text(json.dumps(run.summary(), indent=2) + "\n")
-    if run.processes > 1:
-        # Every process waits for the main one's files, then the process group goes down in order:
-        # a process that exits with gloo's threads still running aborts ("terminate called without
-        # an active exception"), and `accelerate launch` then fails the whole run.
-        run.accelerator.wait_for_everyone()
-        run.accelerator.end_training()
+    run.finish()
     return run.result()
