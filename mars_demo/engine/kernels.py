@@ -174,7 +174,10 @@ DYN_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # sibli
 SMOOTHABLE = ("llama", "qwen2")  # RMSNorm as weight * x, attention and MLP as in these models
 _scratch = threading.local()  # input buffers per thread: two decoding threads never share one
 # The overload itself: calling the packet re-resolves it (and checks for fake script objects) on every call.
-_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
+try:
+    _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
+except (AttributeError, RuntimeError):  # a torch build without quantized CPU ops: int8dyn's prepack fails first
+    _LINEAR_DYNAMIC = None
 
 
 def _pinned_input(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
