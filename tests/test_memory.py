@@ -75,6 +75,16 @@ def test_check_fits_against_a_patched_limit(tiny_llama, tmp_path, monkeypatch):
     check_fits(BUNDLED, available=4 * GIB)
 
 
+def test_every_compute_path_has_its_own_measured_load_factor():
+    from mars_demo.engine.kernels import PRECISIONS
+
+    assert set(memory.LOAD_FACTORS) == set(PRECISIONS)  # no path falls back to the largest unmeasured
+    params = 134_515_008
+    by_path = {p: needed_bytes(params, p) for p in PRECISIONS}
+    assert by_path["fp32"] < by_path["int8"] <= by_path["bf16"] < by_path["int8dyn"] < by_path["auto"]
+    assert needed_bytes(params, "no-such-path") == by_path["auto"]
+
+
 def test_the_app_refuses_a_model_that_would_not_fit_before_loading_it(tiny_llama, tmp_path, monkeypatch):
     folder = tmp_path / "big"
     tiny_llama.model.save_pretrained(folder)
