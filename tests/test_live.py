@@ -178,6 +178,18 @@ def test_the_worker_retires_when_idle_and_the_registry_makes_a_new_one(tiny_llam
     assert drain(again)[-1].status == "done" and batches.batches() != [first]
 
 
+def test_the_registry_keeps_the_configured_mode_and_takes_the_models_block_size(tiny_llama):
+    config = ServeConfig(mode="exact", max_batch=2, max_new_tokens=NEW, block_size=7)
+    batches = SharedBatches(config, policy=LOW, idle=5.0)
+    live = batches.submit(tiny_llama, ids(tiny_llama, 0), owner="x")
+    batch = batches.batches()[0]
+    assert (batch.config.mode, batch.config.block_size) == ("exact", tiny_llama.meta.block_size)
+    updates = drain(live)
+    tokens, taus = tokens_and_taus(updates)
+    assert updates[-1].status == "done"
+    assert tokens == alone(tiny_llama, ids(tiny_llama, 0), taus, mode="exact")  # verified, whatever tau said
+
+
 def test_closing_a_session_cancels_its_requests(tiny_llama):
     batches = SharedBatches(ServeConfig(max_batch=2, max_new_tokens=200), policy="fixed:1.0", idle=5.0)
     mine = batches.submit(tiny_llama, ids(tiny_llama, 0), owner="closing")

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -321,9 +321,7 @@ class SharedBatches:
         return batch
 
     def _new(self, lm: LoadedModel) -> SharedBatch:
-        c = self.config
-        config = ServeConfig(max_batch=c.max_batch, max_new_tokens=c.max_new_tokens, block_size=lm.meta.block_size,
-                             metric=c.metric)
+        config = replace(self.config, block_size=lm.meta.block_size)  # the model's block size; the rest as set
         return SharedBatch.of(lm, config, policy=parse_policy(self.policy), max_queue=self.max_queue, idle=self.idle,
                               on_retire=self._retire)
 
