@@ -234,6 +234,23 @@ def test_a_fused_sibling_fed_another_input_computes_its_own_columns():
 
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("path, kind", [("int8", Int8Linear), ("int8dyn", RowInt8Linear)])
+def test_fusing_siblings_changes_no_bit_of_the_logits(arch, path, kind):
+    fused, alone = make_lm(arch), make_lm(arch)
+    convert(fused.model, path)
+    for module in list(alone.model.modules()):  # the same path with every linear on its own
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, name, kind(child.weight, child.bias))
+    alone.model.set_attn_implementation(fused.model.config._attn_implementation)  # the row-exact attention
+    assert isinstance(fused.model.model.layers[0].mlp.up_proj, FusedSlice)
+    ids = torch.tensor([prompt_ids(fused.tokenizer, PROMPTS[0])])
+    with torch.inference_mode():
+        for n in (1, 3, ids.shape[1]):  # a one-token pass, a short pass, the whole prompt
+            assert torch.equal(fused.model(input_ids=ids[:, :n]).logits, alone.model(input_ids=ids[:, :n]).logits)
+
+
 def test_int8dyn_prefill_rows_do_not_depend_on_the_masks_fed_after_them():
     # MARS and exact prefills feed the prompt and masks, AR's the prompt alone. At SmolLM2's
     # widths SDPA over a block of rows rounds differently with 3 more rows (~1e-6), which

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import platform
-import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -38,7 +37,7 @@ logger = logging.getLogger(__name__)
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
-KERNELS_VERSION = 3
+KERNELS_VERSION = 4
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
@@ -59,7 +58,6 @@ ROW_EXACT = "mars_row_exact"
 # can turn it into a flipped token (BENCHMARKS.md, issue #15). Longer prompts attend in one call.
 ROW_EXACT_PREFILL_ROWS = 2048
 ROW_EXACT_PREFILL = "mars_row_exact_prefill"
-DYN_CACHED_ROWS = 16  # int8dyn keeps input buffers for passes up to this many rows (decoding, not prefills)
 TABLE_FILE = "compute-paths.json"
 CALIBRATION_TEXT = (
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
@@ -83,20 +81,21 @@ def check_precision(value: str | None) -> str:
 class Int8Linear(nn.Module):
     """Weight-only int8 linear: per-output-channel scales, bf16 activations, rows independent."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()  # (out, in)
+        weight = weight.detach().float()  # (out, in)
         scale = weight.abs().amax(dim=1).clamp_min(1e-8) / 127
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = weight.shape
         self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.has_bias = bias is not None  # a plain attribute: reading a buffer goes through nn.Module.__getattr__
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
         y = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return y + self.bias if self.has_bias else y
 
 
 def _visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> list[list]:
@@ -164,75 +163,65 @@ AttentionMaskInterface.register(ROW_EXACT_PREFILL, sdpa_mask)
 
 
 # -- int8dyn: int8 x int8 GEMMs with one activation scale per row --------------------------------
-# fbgemm's dynamic linear quantises its whole input with one range (min, max). Each row is divided by
-# its own max |x|, so it lies in [-1, 1] exactly (IEEE division is monotonic and m / m = 1), and two
-# pin columns holding +1 and -1 (their weights zero) make that range [-1, 1] whatever the other rows
-# hold: a row's integers, hence its output, do not depend on the rows fed beside it.
+# Each row is divided by its own max |x|, so it lies in [-1, 1] exactly (IEEE division is monotonic and
+# m / m = 1), and fbgemm quantises it with one fixed range for [-1, 1]: a row's integers, hence its
+# output, depend on nothing fed beside it. (fbgemm's dynamic linear would choose the range from the whole
+# input, and scanning it costs ~9 us a call; the fixed range is the one it chooses for [-1, 1].)
 DYN_WEIGHT_QMAX = 63  # 7-bit weights: AVX2's u8 x s8 pair sums cannot saturate int16 (2 * 255 * 63 < 32767)
-DYN_PINS = 2
-DYN_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings fed the same input
+DYN_INPUT_SCALE, DYN_INPUT_ZERO = 2.0 / 255, 128  # uint8 codes of [-1, 1]
 SMOOTHABLE = ("llama", "qwen2")  # RMSNorm as weight * x, attention and MLP as in these models
-_scratch = threading.local()  # input buffers per thread: two decoding threads never share one
 # The overload itself: calling the packet re-resolves it (and checks for fake script objects) on every call.
 try:
-    _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
+    _LINEAR_FIXED_RANGE = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32.default
 except (AttributeError, RuntimeError):  # a torch build without quantized CPU ops: int8dyn's prepack fails first
-    _LINEAR_DYNAMIC = None
-
-
-def _pinned_input(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (rows, width + 2) buffer whose last two columns hold +1 and -1, and a view of its first ``width``."""
-    cache = _scratch.__dict__.setdefault("buffers", {})
-    found = cache.get((rows, width))
-    if found is None:
-        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            buffer = torch.zeros(rows, width + DYN_PINS)
-            buffer[:, width], buffer[:, width + 1] = 1.0, -1.0
-            found = (buffer, buffer[:, :width])
-        if rows <= DYN_CACHED_ROWS:  # decoding passes reuse theirs; prefill lengths vary
-            cache[(rows, width)] = found
-    return found
+    _LINEAR_FIXED_RANGE = None
 
 
 class RowInt8Linear(nn.Module):
-    """fbgemm's dynamic int8 linear, row-exact: one activation scale per row, 7-bit per-channel weights."""
+    """fbgemm's int8 linear, row-exact: one activation scale per row, 7-bit per-channel weights."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         weight = weight.detach().float()  # (out, in)
         self.out_features, self.in_features = weight.shape
         scale = weight.abs().amax(dim=1).clamp_min(1e-8) / DYN_WEIGHT_QMAX
-        ints = torch.round(weight / scale[:, None]).clamp(-DYN_WEIGHT_QMAX, DYN_WEIGHT_QMAX)
-        ints = torch.cat([ints, ints.new_zeros(self.out_features, DYN_PINS)], dim=1).to(torch.int8)
+        ints = torch.round(weight / scale[:, None]).clamp(-DYN_WEIGHT_QMAX, DYN_WEIGHT_QMAX).to(torch.int8)
         zeros = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's packing still takes one
             warnings.simplefilter("ignore")
             quantized = torch._make_per_channel_quantized_tensor(ints, scale.double(), zeros, 0)
         self.packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.has_bias = bias is not None  # a plain attribute: reading a buffer goes through nn.Module.__getattr__
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        buffer, view = _pinned_input(rows.shape[0], self.in_features)
         row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)  # linalg's inf-norm is 2x dearer here
-        torch.div(rows, row_max, out=view)
-        y = _LINEAR_DYNAMIC(buffer, self.packed, False).mul_(row_max)
-        if self.bias is not None:
+        y = _LINEAR_FIXED_RANGE(rows / row_max, DYN_INPUT_SCALE, DYN_INPUT_ZERO, self.packed).mul_(row_max)
+        if self.has_bias:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-class FusedLinears(nn.Module):
-    """Sibling linears fed the same input (q/k/v, gate/up) as one RowInt8Linear: one GEMM, one scale per row."""
+# -- sibling linears fused (both int8 paths) -----------------------------------------------------
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings fed the same input
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+
+class FusedLinears(nn.Module):
+    """Sibling linears fed the same input (q/k/v, gate/up) as one int8 linear (``kind``): one GEMM, not three.
+
+    Both int8 linears scale per output channel (and int8dyn per input row), so the fused weights are
+    the siblings' own, row for row: only the number of GEMM calls changes.
+    """
+
+    def __init__(self, linears: list[nn.Linear], kind: type[nn.Module]) -> None:
         super().__init__()
         biases = [lin.bias for lin in linears]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([lin.weight.new_zeros(lin.out_features) if b is None else b.detach()
                               for lin, b in zip(linears, biases)])
-        self.linear = RowInt8Linear(torch.cat([lin.weight.detach() for lin in linears]), bias)
+        self.linear = kind(torch.cat([lin.weight.detach() for lin in linears]), bias)
         self.last: tuple = (None, None)  # (input, output) of the latest call, for the next sibling
 
 
@@ -241,28 +230,30 @@ class FusedSlice(nn.Module):
 
     def __init__(self, group: FusedLinears, start: int, stop: int, last: bool) -> None:
         super().__init__()
-        self._group = (group,)  # a tuple keeps the group out of this module's children: one owner
+        # a tuple keeps the group out of this module's children (one owner); the GEMM's forward is
+        # called without nn.Module's call machinery (no hooks on it), ~4 us less a call
+        self._group = (group, group.linear.forward)
         self.start, self.stop, self.last = start, stop, last
         self.in_features, self.out_features = group.linear.in_features, stop - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = self._group[0]
+        group, gemm = self._group
         seen = group.last  # one read of one tuple: another thread's call cannot tear it
-        y = seen[1] if seen[0] is x else group.linear(x)
+        y = seen[1] if seen[0] is x else gemm(x)
         # object's own setattr: nn.Module's (a plain value checked against parameters, buffers and
         # submodules) cost ~8 us, 150 times a pass
         object.__setattr__(group, "last", (None, None) if self.last else (x, y))
         return y[..., self.start : self.stop]
 
 
-def _to_row_int8(model: PreTrainedModel) -> None:
-    """Swap every nn.Linear for RowInt8Linear, sibling groups fused."""
+def _to_int8(model: PreTrainedModel, kind: type[nn.Module]) -> None:
+    """Swap every nn.Linear for an int8 linear of ``kind`` (Int8Linear, RowInt8Linear), sibling groups fused."""
     for module in list(model.modules()):
-        for names in DYN_GROUPS:
+        for names in SIBLINGS:
             linears = [getattr(module, name, None) for name in names]
             if not all(type(lin) is nn.Linear for lin in linears) or len({lin.in_features for lin in linears}) > 1:
                 continue
-            group, start = FusedLinears(linears), 0
+            group, start = FusedLinears(linears, kind), 0
             module.add_module("fused_" + "_".join(n.split("_")[0] for n in names), group)
             for i, (name, lin) in enumerate(zip(names, linears)):
                 setattr(module, name, FusedSlice(group, start, start + lin.out_features, i == len(names) - 1))
@@ -270,7 +261,7 @@ def _to_row_int8(model: PreTrainedModel) -> None:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, name, RowInt8Linear(child.weight, child.bias))
+                setattr(module, name, kind(child.weight, child.bias))
 
 
 # -- smoothing (SmoothQuant, Xiao et al. 2023): activation outliers moved into the weights ----------
@@ -362,14 +353,11 @@ def convert(
     if path == "bf16":
         model.to(torch.bfloat16)
     elif path == "int8":
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, Int8Linear(child))
+        _to_int8(model, Int8Linear)
     elif path == "int8dyn":
         if smoothing:
             fold_smoothing(model, activation_ranges(model, smoothing))
-        _to_row_int8(model)
+        _to_int8(model, RowInt8Linear)
     if path != "fp32" and row_exact:
         model.set_attn_implementation(ROW_EXACT_PREFILL if path == "int8dyn" else ROW_EXACT)
     return model
