@@ -112,6 +112,29 @@ def test_auto_picks_the_fastest_path_that_keeps_quality():
     assert choose(table) == "int8"
 
 
+def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, monkeypatch):
+    table = {  # this CPU's shape: int8 cheapest at one token, int8dyn nearly flat in rows
+        "fp32": {"costs_ms": {1: 60, 2: 100, 4: 130, 8: 130}, "dnll": 0.0},
+        "bf16": {"costs_ms": {1: 38, 2: 53, 4: 95, 8: 160}, "dnll": 0.0002},
+        "int8": {"costs_ms": {1: 25, 2: 29, 4: 37, 8: 60}, "dnll": 0.003},
+        "int8dyn": {"costs_ms": {1: 27, 2: 29.5, 4: 33, 8: 40}, "dnll": 0.004},
+    }
+    assert choose(table) == choose(table, rows=1) == "int8"  # one sequence: AR's one-token pass decides
+    assert choose(table, rows=2) == "int8dyn"  # within 5% at two rows: the flatter curve
+    assert choose(table, rows=4) == choose(table, rows=8) == "int8dyn"
+    table["int8dyn"]["costs_ms"] = {1: 27, 2: 33, 4: 33, 8: 40}
+    assert choose(table, rows=2) == "int8"  # more than 5% dearer at the batch's rows
+    assert choose(table, rows=64) == "int8dyn"  # past the widest measured pass: the widest decides
+
+    monkeypatch.setattr(kernels, "_measure", lambda model, paths, *args: {p: table[p] for p in paths})
+    lm = make_lm("llama")
+    batch = select(lm.model, lm.tokenizer, "auto", block_size=4, table_dir=tmp_path, rows=8)
+    assert batch.path == "int8dyn" and batch.rows == 8 and "for batches of 8" in batch.summary()
+    assert isinstance(lm.model.model.layers[0].mlp.up_proj, FusedSlice)  # converted to the chosen path
+    one = make_lm("llama")
+    assert select(one.model, one.tokenizer, "auto", block_size=4, table_dir=tmp_path).path == "int8"
+
+
 def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, monkeypatch):
     calls = []
     real = kernels.pass_costs

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from mars_demo.cli import main
+from mars_demo.engine import kernels
 from mars_demo.engine.prompts import prompt_ids
 from mars_demo.engine.replay import BURST, SimConfig, arrival_times, make_requests, percentile
 from mars_demo.research.serve_report import format_totals, to_html
@@ -78,6 +79,23 @@ def test_cli_writes_json_and_self_contained_html(model_dir, tmp_path, capsys):
     page = (out / "serve-sim.html").read_text()
     assert page.count("<script") >= 4 and '<script src="http' not in page and "latency:0.5" in page
     assert "fixed:1" in capsys.readouterr().out
+
+
+def test_auto_chooses_the_path_for_the_batch_it_serves(model_dir, tmp_path, monkeypatch):
+    table = {  # int8 cheapest at one token, int8dyn at two rows and more (this CPU's shape)
+        "fp32": {"costs_ms": {1: 60, 2: 100}, "dnll": 0.0}, "bf16": {"costs_ms": {1: 38, 2: 53}, "dnll": 0.0},
+        "int8": {"costs_ms": {1: 25, 2: 33}, "dnll": 0.0}, "int8dyn": {"costs_ms": {1: 27, 2: 29}, "dnll": 0.0},
+    }
+    monkeypatch.setattr(kernels, "_measure", lambda model, paths, *args: {p: table[p] for p in paths})
+    monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp_path / "sim"
+    assert main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "2", "--policies", "fixed:1.0",
+                 "--prompts", str(prompts), "--max-new-tokens", "4", "--max-batch", "2", "--out", str(out),
+                 "--precision", "auto", "--no-quality"]) == 0
+    compute = json.loads((out / "serve-sim.json").read_text())["machine"]["compute_path"]
+    assert compute["path"] == "int8dyn" and compute["rows"] == 2 and compute["requested"] == "auto"
 
 
 @pytest.mark.parametrize("clock", ["width-free", "tokens-fed"])

@@ -106,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    lm = load_model(
-        args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision()
+    lm = load_model(  # auto chooses the path for the smallest batch measured (batch 1: AR's one-token pass)
+        args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision(),
+        rows=min(config.batch_sizes),
     )
     if args.compile:
         if lm.device.type != "cuda":

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     config = parse_config(args)  # every value checked before the model loads
     if not args.prompts.is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
-    lm = load_model(args.model, precision=args.precision or default_precision())
+    lm = load_model(args.model, precision=args.precision or default_precision(), rows=config.max_batch)
     pool = [prompt_ids(lm.tokenizer, p) for p in read_prompts(args.prompts) if p.strip()]
     if not pool:
         raise UserError(f"no prompts in {args.prompts}")

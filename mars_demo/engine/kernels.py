@@ -377,12 +377,16 @@ class ComputePath:
     threads: int = 0
     candidates: dict[str, dict] = field(default_factory=dict)  # auto: every path's curve and dnll
     cached: bool = False
+    rows: int = 1  # auto chose for passes of this many tokens: 1 for one sequence, the batch size for batches
 
     def summary(self) -> str:
         """One line: path, cap and the curve, for status lines and logs."""
         curve = " ".join(f"{w}:{ms:.0f}" for w, ms in sorted(self.costs_ms.items()))
         cap = f", up to {self.max_fed} tokens fed per pass" if self.max_fed else ""
-        return f"{self.path}{' (auto)' if self.requested == 'auto' else ''}{cap}; ms per pass by tokens fed {curve}"
+        how = ""
+        if self.requested == "auto":
+            how = " (auto)" if self.rows == 1 else f" (auto, for batches of {self.rows})"
+        return f"{self.path}{how}{cap}; ms per pass by tokens fed {curve}"
 
     def record(self) -> dict:
         return asdict(self)
@@ -457,13 +461,17 @@ def cap_from_costs(costs: dict[int, float], share: float = MAX_COST_SHARE) -> in
     return max([2] + [w for w, ms in costs.items() if w >= 2 and ms <= limit])
 
 
-def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT) -> str:
-    """The fastest path (one-token pass; within 5%, the cheaper widest pass) whose dnll <= ``limit``."""
+def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT, rows: int = 1) -> str:
+    """The fastest path whose dnll <= ``limit``, for passes of ``rows`` tokens (capped at the widest measured).
+
+    rows = 1 (one sequence): the cheapest one-token pass, AR's; within 5% of it, the cheaper widest
+    pass. A batch of ``rows`` sequences feeds at least that many tokens a pass: its cost there decides.
+    """
     passing = [p for p in PATHS if p in candidates and (p == "fp32" or candidates[p]["dnll"] <= limit)]
 
     def speed(p: str) -> tuple[float, float]:
         costs = {int(w): ms for w, ms in candidates[p]["costs_ms"].items()}
-        return costs[1], costs[max(costs)]
+        return costs[min(max(rows, 1), max(costs))], costs[max(costs)]
 
     best = min(passing, key=lambda p: speed(p)[0])
     close = [p for p in passing if speed(p)[0] <= speed(best)[0] * 1.05]
@@ -512,11 +520,13 @@ def select(
     *,
     block_size: int,
     table_dir: Path,
+    rows: int = 1,
 ) -> ComputePath:
     """Measure (or read the cached table), put ``model`` on the chosen path in place, and say which.
 
-    ``model`` must be fp32 on a CPU. "auto" measures every path; a named path is measured
-    alone, for its curve and cap. The table is cached in ``table_dir``/TABLE_FILE.
+    ``model`` must be fp32 on a CPU. "auto" measures every path and chooses for passes of ``rows``
+    tokens (``choose``); a named path is measured alone, for its curve and cap. The table is
+    cached in ``table_dir``/TABLE_FILE.
     """
     precision = check_precision(precision)
     widths = range(1, 2 * max(block_size, 2) + 1)
@@ -535,12 +545,12 @@ def select(
         staging = table_path.with_name(table_path.name + f".tmp{os.getpid()}")
         staging.write_text(json.dumps(table, indent=1) + "\n")
         staging.replace(table_path)
-    chosen = choose({p: entry[p] for p in paths}) if precision == "auto" else precision
+    chosen = choose({p: entry[p] for p in paths}, rows=rows) if precision == "auto" else precision
     convert(model, chosen, smoothing=smoothing)
     costs = {int(w): ms for w, ms in entry[chosen]["costs_ms"].items()}
     return ComputePath(
         path=chosen, requested=precision, costs_ms=costs, max_fed=cap_from_costs(costs), dnll=entry[chosen]["dnll"],
         cpu=cpu_model(), threads=torch.get_num_threads(),
-        candidates={p: entry[p] for p in paths} if precision == "auto" else {}, cached=cached,
+        candidates={p: entry[p] for p in paths} if precision == "auto" else {}, cached=cached, rows=rows,
     )
 

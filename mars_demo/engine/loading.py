@@ -345,12 +345,14 @@ def load_model(
     device: str | None = None,
     trust_remote_code: bool = False,
     precision: str | None = None,
+    rows: int = 1,
 ) -> LoadedModel:
     """Load a checkpoint spec (see the module docstring); ``None`` means the bundled default.
 
     ``precision`` (auto, fp32, bf16, int8, int8dyn) puts a CPU model on a measured compute path
     (kernels.py) for decoding; its weights must not change afterwards (no training, no
-    merging). None loads plain fp32 on a CPU (training, data), bf16 on a GPU.
+    merging). None loads plain fp32 on a CPU (training, data), bf16 on a GPU. ``rows``: the
+    sequences the model will decode at once (auto chooses the path cheapest for that batch).
     """
     started = time.perf_counter()
     spec = spec or BUNDLED
@@ -382,7 +384,7 @@ def load_model(
     meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
     compute = None
     if precision is not None and dev.type == "cpu":
-        compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir())
+        compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir(), rows=rows)
         model.mars_compute = compute  # read by config.resolve_max_fed
         logger.info("compute path: %s", compute.summary())
     if tokenizer.pad_token is None:
