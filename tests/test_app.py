@@ -374,6 +374,23 @@ def test_views_land_on_each_side_in_proportion_to_its_decoding_time():
     assert not LaneCadence(0.1).after("mars", 1.0, None)  # the last pass: the final view follows
 
 
+def test_the_first_view_is_drawn_before_the_first_pass_off_both_clocks(handlers, monkeypatch):
+    log = []
+
+    def logged(mars, ar):
+        for item in interleave(mars, ar):
+            log.append(item[0])
+            yield item
+
+    monkeypatch.setattr("mars_demo.ui.handlers.interleave", logged)
+    monkeypatch.setattr("mars_demo.ui.handlers.time.sleep", lambda seconds: log.append(f"settle {seconds}"))
+    handlers.view_every, handlers.view_settle = 10.0, 0.25  # views: the first and the final one
+    outputs = list(start(handlers, Session()))
+    # without the wait the browser would draw the emptied panes and charts during MARS's prefill
+    assert len(outputs) == 2 and log[:3] == ["settle 0.25", "mars", "ar"]
+    assert log.count("settle 0.25") == 1
+
+
 def test_a_view_carries_every_pane_that_changed_since_the_last(handlers):
     handlers.view_every = 1e-9  # a view before every pass of a side that has decoded since its last view
     session = Session()

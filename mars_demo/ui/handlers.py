@@ -273,6 +273,7 @@ class DemoHandlers:
             session.trace = trace
             try:
                 yield self._outputs(trace, ("mars", "ar"), True, False, session)
+                self._settle()  # else the browser draws this first view during MARS's prefill, off AR's clock
                 yield from self._race(trace, interleave(mars, ar), session, request)
                 if trace.status == "done":
                     yield self._outputs(trace, ("mars", "ar"), True, True, session, owner)
@@ -307,8 +308,12 @@ class DemoHandlers:
                 charted = time.monotonic()
             yield self._outputs(trace, tuple(sorted(changed)), due, None, session)
             changed.clear()
-            if self.view_settle > 0:
-                time.sleep(self.view_settle)  # Gradio sends the view and the browser draws it now
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait, off both clocks, while Gradio sends the view just yielded and the browser draws it."""
+        if self.view_settle > 0:
+            time.sleep(self.view_settle)
 
     def stop(self, session: Session, request: gr.Request = None) -> tuple:
         """Stop's own handler; ``cancels=`` ends the run generator at its next pass.
