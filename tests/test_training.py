@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -476,6 +477,22 @@ def test_validation_during_training_logs_and_resumes(tmp_path):
     quiet = train(make_lm("qwen2"), examples, config, tmp_path / "c", base_spec="tiny", progress=False)
     assert quiet.validation == [] and not (tmp_path / "c" / "val.jsonl").exists()
     assert "validation" not in json.loads((tmp_path / "c" / "training.json").read_text())
+
+
+def test_the_first_bundled_load_and_later_ones_share_one_compute_table_entry(tmp_path, base_dir, monkeypatch):
+    from mars_demo.engine import kernels, loading
+
+    lm = load_model(base_dir, block_size=4)
+    train(lm, load_examples(tiny_rows(lm.tokenizer), 128), TrainConfig(max_steps=1, **FAST), tmp_path / "adapter",
+          base_spec=base_dir, progress=False)
+    monkeypatch.setattr(loading, "BUNDLED_ADAPTER", tmp_path / "adapter")  # a tiny stand-in for the bundled pair
+    monkeypatch.setattr(loading, "bundled_base_dir", lambda: Path(base_dir))
+    monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path / "cache"))
+    first = load_model(precision="fp32")  # merges the adapter and saves the merged copy
+    assert (loading.merged_bundled_dir() / "model.safetensors").is_file() and not first.compute.cached
+    again = load_model(precision="fp32")  # from the merged copy: the table measured by the first load
+    assert again.compute.cached and again.compute.costs_ms == first.compute.costs_ms
+    assert len(json.loads((tmp_path / "cache" / kernels.TABLE_FILE).read_text())) == 1
 
 
 def test_init_adapter_starts_from_its_weights(tmp_path, base_dir):

@@ -378,6 +378,7 @@ def load_model(
         model = _merge_adapter(model, adapter_dir)
         if merged_cache is not None:
             _save_atomically(model, tokenizer, merged_cache)
+            model.config._name_or_path = str(merged_cache)  # named (compute table key) as later loads from it
     if spec == BUNDLED or adapter_dir is not None:
         saved = {**saved, **MarsMeta.read(BUNDLED_ADAPTER if spec == BUNDLED else adapter_dir)}
     model.eval()
