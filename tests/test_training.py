@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mars_demo import cli
+from mars_demo.engine import kernels, loading
 from mars_demo.engine.config import DecodeConfig
 from mars_demo.engine.decoding import collect, stream
 from mars_demo.engine.loading import load_model
@@ -480,8 +481,6 @@ def test_validation_during_training_logs_and_resumes(tmp_path):
 
 
 def test_the_first_bundled_load_and_later_ones_share_one_compute_table_entry(tmp_path, base_dir, monkeypatch):
-    from mars_demo.engine import kernels, loading
-
     lm = load_model(base_dir, block_size=4)
     train(lm, load_examples(tiny_rows(lm.tokenizer), 128), TrainConfig(max_steps=1, **FAST), tmp_path / "adapter",
           base_spec=base_dir, progress=False)
