@@ -32,12 +32,14 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreT
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import lean
+
 logger = logging.getLogger(__name__)
 
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
-KERNELS_VERSION = 4
+KERNELS_VERSION = 5
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
@@ -360,6 +362,7 @@ def convert(
         _to_int8(model, RowInt8Linear)
     if path != "fp32" and row_exact:
         model.set_attn_implementation(ROW_EXACT_PREFILL if path == "int8dyn" else ROW_EXACT)
+    lean.install(model)  # after every swap: it reads the layers as they are now
     return model
 
 
@@ -503,7 +506,7 @@ def _measure(
     found = {}
     for path in paths:
         started = time.perf_counter()
-        candidate = model if path == "fp32" else convert(copy.deepcopy(model), path, smoothing=smoothing)
+        candidate = convert(model if path == "fp32" else copy.deepcopy(model), path, smoothing=smoothing)
         costs = pass_costs(candidate, widths)
         dnll = 0.0 if path == "fp32" else text_nll(candidate, calibration) - reference
         found[path] = {"costs_ms": costs, "dnll": round(dnll, 4)}

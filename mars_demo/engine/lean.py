@@ -1,0 +1,269 @@
+"""A lean forward for llama-family decoders on the CPU: the same layers, the same bits, fewer ops.
+
+On a small CPU a cached pass of the bundled 135M model is mostly not arithmetic. Each small op
+costs 5-10 us of dispatch whatever its size, and a transformers forward runs ~1,500 of them plus
+its module plumbing (hooks, output capture, keyword arguments: ~3.5 ms a pass on a 2-core EPYC).
+``LeanForward`` runs the decoder layers as one loop over the model's own modules and weights:
+
+- RMSNorm as ``torch.rms_norm`` (one op, the same arithmetic) where the model is fp32;
+- RoPE on q and k together, the half rotation as one ``flip`` against a sine whose first half is
+  negated (``-a * s == a * -s`` in IEEE arithmetic): 4 ops a layer instead of 14;
+- sibling GEMMs (kernels.FusedLinears) called once, without the module machinery;
+- keys and values appended into a buffer with room to grow (``_append``), not concatenated into a
+  new tensor every layer of every pass (that copy grows with the context).
+
+The logits are bit for bit those of the transformers forward on the same weights
+(tests/test_lean.py), so every property the compute paths have (row-exactness, exact mode equal to
+AR) holds here too. Anything it does not cover (training, other outputs, other attention kinds,
+sliding windows) goes to the model's own forward.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+LEAN_ENV = "MARS_DEMO_LEAN"  # "0": decode with transformers' forward (for comparisons)
+ARCHITECTURES = ("llama", "qwen2")  # RMSNorm, RoPE, q/k/v/o attention and a gated SiLU MLP
+ATTENTION = ("sdpa", "eager", "mars_row_exact", "mars_row_exact_prefill")
+# Keyword arguments the lean forward reads; any other one set to something else than None / False
+# (labels, inputs_embeds, output_hidden_states, ...) goes to the model's own forward.
+READ = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep")
+ARGUMENTS = {"input_ids", "return_dict", *READ}
+BUFFER_SLACK = 256  # columns a key / value buffer is allocated beyond what it holds
+
+
+def unsupported(model: PreTrainedModel) -> str | None:
+    """Why the lean forward cannot run ``model`` (None: it can)."""
+    config = model.config
+    if config.model_type not in ARCHITECTURES:
+        return f"model type {config.model_type!r}"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {config.hidden_act!r}"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return "sliding-window layers"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return "not a decoder laid out as model.layers"
+    for layer in layers:
+        if not all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+            return "an attention without q/k/v/o projections"
+        if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "an MLP without gate/up/down projections"
+    return None
+
+
+def _gemm(module: nn.Module):
+    """The cheapest call of a projection: F.linear on nn.Linear's tensors, else the module's own forward."""
+    if type(module) is nn.Linear:
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    return module.forward
+
+
+def _siblings(parent: nn.Module, names: tuple[str, ...]):
+    """(one GEMM for all siblings or None, each sibling's GEMM, the split sizes of the fused output)."""
+    from .kernels import FusedSlice  # kernels installs this module: import here, not at the top
+
+    slices = [getattr(parent, n) for n in names]
+    if all(type(s) is FusedSlice for s in slices) and len({id(s._group[0]) for s in slices}) == 1:
+        starts = [s.start for s in slices]
+        if starts == sorted(starts) and starts[0] == 0:
+            return slices[0]._group[1], None, [s.out_features for s in slices]
+    return None, [_gemm(s) for s in slices], None
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights and calls, read once when the lean forward is built."""
+
+    attention: nn.Module
+    norm1: torch.Tensor
+    eps1: float
+    qkv: object  # one GEMM for q, k and v, or None
+    q_k_v: list | None  # else each one's
+    o: object
+    norm2: torch.Tensor
+    eps2: float
+    gate_up: object
+    gate_and_up: list | None
+    gate_up_sizes: list[int] | None
+    down: object
+    heads: int
+    kv_heads: int
+    head_dim: int
+    index: int
+
+
+def _layer(layer: nn.Module, index: int) -> _Layer:
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv, q_k_v, _ = _siblings(attention, ("q_proj", "k_proj", "v_proj"))
+    gate_up, gate_and_up, gate_up_sizes = _siblings(mlp, ("gate_proj", "up_proj"))
+    head_dim = attention.head_dim
+    return _Layer(
+        attention, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv, q_k_v,
+        _gemm(attention.o_proj), layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+        gate_up, gate_and_up, gate_up_sizes, _gemm(mlp.down_proj),
+        attention.q_proj.out_features // head_dim, attention.k_proj.out_features // head_dim, head_dim, index,
+    )
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: fp32 as torch's own op (the same arithmetic, one dispatch), else op by op."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _append(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DynamicLayer.update without the copy: write into a buffer with room, hold views of it.
+
+    ``layer.keys`` / ``layer.values`` stay what DynamicLayer holds (the cached columns, now views of
+    the buffer), so cropping, ``get_seq_length`` and the batch code work on them unchanged. Columns
+    cropped off are overwritten by the next append; a cache whose tensors were replaced (a batch
+    reorder, transformers' own update) is copied into a new buffer first.
+    """
+    if not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+    held_k, held_v = layer.keys, layer.values
+    buffers = getattr(layer, "_lean_buffers", None)
+    start = held_k.shape[-2] if held_k.dim() == 4 else 0  # lazy_initialization holds empty 1-D tensors
+    end = start + keys.shape[-2]
+    if (
+        buffers is None or held_k.dim() != 4 or held_k.data_ptr() != buffers[0].data_ptr()
+        or held_v.data_ptr() != buffers[1].data_ptr() or held_k.shape[:2] != keys.shape[:2]
+        or held_k.stride() != buffers[0].stride() or end > buffers[0].shape[-2]
+    ):
+        room = end + max(BUFFER_SLACK, end // 2)
+        buffers = tuple(
+            new.new_empty((*new.shape[:2], room, new.shape[-1])) for new in (keys, values)
+        )
+        if start:
+            buffers[0][:, :, :start].copy_(held_k)
+            buffers[1][:, :, :start].copy_(held_v)
+        layer._lean_buffers = buffers
+    buffers[0][:, :, start:end].copy_(keys)
+    buffers[1][:, :, start:end].copy_(values)
+    layer.keys, layer.values = buffers[0][:, :, :end], buffers[1][:, :, :end]
+    return layer.keys, layer.values
+
+
+def _store(cache, layers: int):
+    """How a pass puts its keys and values in ``cache``: ``_append`` on a plain DynamicCache, else its update."""
+    if cache is None:
+        return None
+    if (
+        type(cache) is DynamicCache and not getattr(cache, "offloading", False) and len(cache.layers) == layers
+        and all(type(layer) is DynamicLayer for layer in cache.layers)
+    ):
+        held = cache.layers
+        return lambda i, keys, values: _append(held[i], keys, values)
+    return lambda i, keys, values: cache.update(keys, values, i)
+
+
+class LeanForward:
+    """The model's forward for decoding, lean (module docstring); ``fallback`` is the model's own forward."""
+
+    def __init__(self, model: PreTrainedModel, fallback) -> None:
+        self.model = model
+        self.fallback = fallback
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.layers = [_layer(layer, i) for i, layer in enumerate(inner.layers)]
+        self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.head = _gemm(model.lm_head)
+
+    def __call__(self, input_ids=None, **kwargs):
+        model = self.model
+        odd = any(v is not None and v is not False for k, v in kwargs.items() if k not in ARGUMENTS)
+        if (
+            odd or input_ids is None or kwargs.get("return_dict") is False or model.training
+            or model.config._attn_implementation not in ATTENTION
+        ):
+            return self.fallback(input_ids=input_ids, **kwargs)
+        return self._forward(input_ids, *(kwargs.get(name) for name in READ))
+
+    def _forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep):
+        config = self.model.config
+        use_cache = config.use_cache if use_cache is None else use_cache
+        x = self.embed(input_ids)  # (batch, n, hidden)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=config)
+        if position_ids is None:
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(x.shape[1], device=x.device) + past).unsqueeze(0)
+        mask = create_causal_mask(
+            config=config, inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        cos, sin = self.rotary(x, position_ids=position_ids)  # (batch, n, head_dim)
+        half = cos.shape[-1] // 2
+        cos, sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
+        if attend is None:  # eager: transformers' own function, which the interface does not list
+            from transformers.models.llama.modeling_llama import eager_attention_forward as attend
+        store = _store(past_key_values, len(self.layers))
+        for layer in self.layers:
+            x = x + self._attention(layer, _norm(x, layer.norm1, layer.eps1), cos, sin, half, mask, attend, store)
+            h = _norm(x, layer.norm2, layer.eps2)
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up(h).split(layer.gate_up_sizes, dim=-1)
+            else:
+                gate, up = (gemm(h) for gemm in layer.gate_and_up)
+            x = x + layer.down(F.silu(gate) * up)
+        x = _norm(x, self.norm, self.norm_eps)
+        keep = logits_to_keep or 0
+        x = x[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
+        return CausalLMOutputWithPast(logits=self.head(x), past_key_values=past_key_values)
+
+    @staticmethod
+    def _attention(layer: _Layer, h, cos, sin, half, mask, attend, store) -> torch.Tensor:
+        batch, n = h.shape[:2]
+        heads, kv_heads, d = layer.heads, layer.kv_heads, layer.head_dim
+        if layer.qkv is not None:
+            q_k, v = layer.qkv(h).split([heads * d + kv_heads * d, kv_heads * d], dim=-1)
+        else:
+            q, k, v = (gemm(h) for gemm in layer.q_k_v)
+            q_k = torch.cat((q, k), dim=-1)
+        q_k = q_k.unflatten(-1, (heads + kv_heads, d))  # (batch, n, heads + kv heads, d)
+        turned = q_k.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # halves swapped; sin's first half negated
+        q_k = q_k * cos + turned * sin
+        q = q_k[:, :, :heads].transpose(1, 2)
+        k = q_k[:, :, heads:].transpose(1, 2)
+        v = v.unflatten(-1, (kv_heads, d)).transpose(1, 2)
+        if store is not None:
+            k, v = store(layer.index, k, v)
+        out, _ = attend(layer.attention, q, k, v, mask, dropout=0.0, scaling=layer.attention.scaling)
+        return layer.o(out.reshape(batch, n, -1))
+
+
+def install(model: PreTrainedModel) -> bool:
+    """Make ``model(...)`` run the lean forward (False, nothing changed: unsupported or switched off)."""
+    if os.environ.get(LEAN_ENV, "1") == "0" or unsupported(model) is not None:
+        return False
+    uninstall(model)
+    model.forward = LeanForward(model, model.forward)
+    return True
+
+
+def uninstall(model: PreTrainedModel) -> None:
+    """Back to the model's own forward."""
+    if isinstance(model.__dict__.get("forward"), LeanForward):
+        del model.forward
+
+
+def installed(model: PreTrainedModel) -> bool:
+    return isinstance(model.__dict__.get("forward"), LeanForward)

@@ -1,0 +1,128 @@
+"""The lean forward (lean.py): the transformers forward's logits, bit for bit, on every path and pass kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from mars_demo.engine import exact, lean
+from mars_demo.engine.kernels import convert, token_ids
+
+from conftest import PROMPTS, make_lm
+
+
+def on_path(arch: str, path: str):
+    lm = make_lm(arch)
+    convert(lm.model, path, smoothing=token_ids(lm.tokenizer, PROMPTS) if path == "int8dyn" else None)
+    assert lean.installed(lm.model)
+    return lm
+
+
+def transformers_forward(model):
+    return lambda **kwargs: type(model).forward(model, **kwargs)
+
+
+def passes(lm) -> list[dict]:
+    """The calls a decoder makes, in order on one cache: a prefill, one-token and wide passes, a verifying pass."""
+    prompt = lm.tokenizer(PROMPTS[0]).input_ids
+    mask = lm.meta.mask_token_id
+    calls = [{"input_ids": torch.tensor([prompt]), "logits_to_keep": 1}]
+    for fed in ([7], [8, mask, mask, mask], [9, 10], [11] + [mask] * 7):
+        calls.append({"input_ids": torch.tensor([fed]), "logits_to_keep": len(fed), "crop": len(fed) - 1})
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("path", ["fp32", "bf16", "int8", "int8dyn"])
+def test_every_pass_gives_the_transformers_forwards_logits_bit_for_bit(arch, path):
+    lm = on_path(arch, path)
+    model, reference = lm.model, transformers_forward(lm.model)
+    with torch.inference_mode():
+        caches = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        for call in passes(lm):
+            crop = call.pop("crop", 0)
+            got, want = (fn(past_key_values=c, use_cache=True, **call) for fn, c in zip((model, reference), caches))
+            assert torch.equal(got.logits, want.logits), call
+            for cache in caches:
+                cache.crop(-crop)
+            assert caches[0].get_seq_length() == caches[1].get_seq_length()
+        # exact mode's verifying pass: position ids and a 4-D mask
+        fed = exact.verify_window([5], [6, 7], 3, lm.meta.mask_token_id, caches[0].get_seq_length(), model.dtype, "cpu")
+        call = {"input_ids": fed.ids, "attention_mask": fed.attention_mask, "position_ids": fed.position_ids,
+                "logits_to_keep": fed.keep, "use_cache": True}
+        got, want = model(past_key_values=caches[0], **call), reference(past_key_values=caches[1], **call)
+        assert torch.equal(got.logits, want.logits)
+        for layer_got, layer_want in zip(caches[0].layers, caches[1].layers):
+            assert torch.equal(layer_got.keys, layer_want.keys) and torch.equal(layer_got.values, layer_want.values)
+
+
+@pytest.mark.parametrize("path", ["fp32", "int8dyn"])
+def test_left_padded_batches_and_uncached_calls_match_too(path):
+    lm = on_path("qwen2", path)
+    model, reference = lm.model, transformers_forward(lm.model)
+    batch = lm.tokenizer([PROMPTS[0], PROMPTS[2]], return_tensors="pt", padding=True, padding_side="left")
+    with torch.inference_mode():
+        caches = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        got, want = (fn(input_ids=batch.input_ids, attention_mask=batch.attention_mask, past_key_values=c,
+                        use_cache=True) for fn, c in zip((model, reference), caches))
+        assert torch.equal(got.logits, want.logits)
+        step = torch.ones(2, batch.input_ids.shape[1] + 2, dtype=torch.long)
+        step[:, : batch.input_ids.shape[1]] = batch.attention_mask
+        fed = torch.tensor([[5, 6], [7, 8]])
+        got, want = (fn(input_ids=fed, attention_mask=step, past_key_values=c, use_cache=True, logits_to_keep=2)
+                     for fn, c in zip((model, reference), caches))
+        assert torch.equal(got.logits, want.logits)
+        ids = batch.input_ids[:1]
+        got, want = (fn(input_ids=ids, use_cache=False) for fn in (model, reference))
+        assert torch.equal(got.logits, want.logits)
+
+
+def test_the_key_value_buffer_grows_crops_and_survives_a_replaced_cache():
+    lm = on_path("llama", "int8dyn")
+    model, reference = lm.model, transformers_forward(lm.model)
+    ids = torch.randint(10, 300, (1, lean.BUFFER_SLACK + 40))  # past the first buffer's room
+    with torch.inference_mode():
+        caches = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        for start, stop in ((0, 30), (30, 200), (200, 230), (230, ids.shape[1])):
+            got, want = (fn(input_ids=ids[:, start:stop], past_key_values=c, use_cache=True, logits_to_keep=1)
+                         for fn, c in zip((model, reference), caches))
+            assert torch.equal(got.logits, want.logits), (start, stop)
+            for cache in caches:
+                cache.crop(-3)  # the next pass overwrites the cropped columns of the buffer
+        held = caches[0].layers[0].keys
+        assert held.shape[-2] == ids.shape[1] - 12
+        # the batch code replaces the cache's tensors (a reorder, a copy): the next pass starts a new buffer
+        for cache in caches:
+            cache.batch_repeat_interleave(2)
+        fed = torch.tensor([[5], [6]])
+        got, want = (fn(input_ids=fed, past_key_values=c, use_cache=True) for fn, c in zip((model, reference), caches))
+        assert torch.equal(got.logits, want.logits)
+        assert caches[0].layers[0].keys.data_ptr() != held.data_ptr()
+
+
+def test_what_the_lean_forward_does_not_cover_goes_to_the_models_own_forward():
+    lm = on_path("llama", "int8")
+    ids = torch.tensor([lm.tokenizer(PROMPTS[1]).input_ids])
+    with torch.inference_mode():
+        out = lm.model(input_ids=ids, output_hidden_states=True)
+        assert out.hidden_states is not None and len(out.hidden_states) == lm.model.config.num_hidden_layers + 1
+        assert lm.model(input_ids=ids, labels=ids).loss is not None
+        assert isinstance(lm.model(input_ids=ids, return_dict=False), tuple)
+
+
+def test_unsupported_models_and_the_switch_keep_the_models_own_forward(monkeypatch):
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=4,
+                         max_window_layers=0)
+    sliding = Qwen2ForCausalLM(config).eval()
+    assert "sliding" in lean.unsupported(sliding)
+    assert not lean.install(sliding) and not lean.installed(sliding)
+    lm = make_lm("llama")
+    monkeypatch.setenv(lean.LEAN_ENV, "0")
+    convert(lm.model, "int8")
+    assert not lean.installed(lm.model)
+    monkeypatch.delenv(lean.LEAN_ENV)
+    assert lean.install(lm.model) and lean.installed(lm.model)
+    lean.uninstall(lm.model)
+    assert not lean.installed(lm.model) and "forward" not in lm.model.__dict__
