@@ -92,23 +92,29 @@ def test_cap_is_the_widest_pass_within_the_share():
     assert cap_from_costs({1: 10, 2: 11, 3: 11.6}, share=1.15) == 2
 
 
+def curve(one: float, per_token: float, widest: int = 8) -> dict[int, float]:
+    return {w: one + per_token * (w - 1) for w in range(1, widest + 1)}
+
+
 def test_auto_picks_the_fastest_path_that_keeps_quality():
     table = {
-        "fp32": {"costs_ms": {1: 60, 4: 100}, "dnll": 0.0},
-        "bf16": {"costs_ms": {1: 30, 4: 80}, "dnll": 0.01},
-        "int8": {"costs_ms": {1: 20, 4: 40}, "dnll": 0.05},  # fastest, but too far from fp32
+        "fp32": {"costs_ms": curve(60, 20), "dnll": 0.0},
+        "bf16": {"costs_ms": curve(30, 10), "dnll": 0.01},
+        "int8": {"costs_ms": curve(20, 5), "dnll": 0.05},  # fastest, but too far from fp32
     }
     assert choose(table) == "bf16"
     table["int8"]["dnll"] = 0.02
     assert choose(table) == "int8"
-    table["bf16"]["costs_ms"] = {1: 20.9, 4: 30}  # within 5% at one token: the flatter curve wins
-    assert choose(table) == "bf16"
-    table["bf16"]["costs_ms"] = {1: 21.2, 4: 30}  # more than 5% slower: the faster one-token pass wins
-    assert choose(table) == "int8"
-    assert choose({"fp32": {"costs_ms": {"1": 9, "4": 9}, "dnll": 0.0}}) == "fp32"  # JSON keys are strings
-    table["int8dyn"] = {"costs_ms": {1: 20.5, 4: 24}, "dnll": 0.01}  # a hair slower at one token, flatter
+    assert choose({"fp32": {"costs_ms": {"1": 9, "2": 9}, "dnll": 0.0}}) == "fp32"  # JSON keys are strings
+    # one sequence: a flat curve's exact decoding beats a slightly cheaper one-token pass ...
+    table["int8dyn"] = {"costs_ms": curve(22, 0.5), "dnll": 0.01}
     assert choose(table) == "int8dyn"
-    table["int8dyn"]["dnll"] = 0.04
+    assert kernels.decode_rate(curve(22, 0.5), 4) > 1 / 20  # its exact decoding beats int8's AR
+    # ... but not a much dearer one, and AR's rate is the floor of a steep curve
+    table["int8dyn"]["costs_ms"] = curve(40, 0.5)
+    assert choose(table) == "int8"
+    assert kernels.decode_rate(curve(20, 30), 4) == 1 / 20
+    table["int8dyn"] = {"costs_ms": curve(22, 0.5), "dnll": 0.04}
     assert choose(table) == "int8"
 
 
@@ -119,7 +125,6 @@ def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, m
         "int8": {"costs_ms": {1: 25, 2: 29, 4: 37, 8: 60}, "dnll": 0.003},
         "int8dyn": {"costs_ms": {1: 27, 2: 29.5, 4: 33, 8: 40}, "dnll": 0.004},
     }
-    assert choose(table) == choose(table, rows=1) == "int8"  # one sequence: AR's one-token pass decides
     assert choose(table, rows=2) == "int8dyn"  # within 5% at two rows: the flatter curve
     assert choose(table, rows=4) == choose(table, rows=8) == "int8dyn"
     table["int8dyn"]["costs_ms"] = {1: 27, 2: 33, 4: 33, 8: 40}
@@ -131,8 +136,9 @@ def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, m
     batch = select(lm.model, lm.tokenizer, "auto", block_size=4, table_dir=tmp_path, rows=8)
     assert batch.path == "int8dyn" and batch.rows == 8 and "for batches of 8" in batch.summary()
     assert isinstance(lm.model.model.layers[0].mlp.up_proj, FusedSlice)  # converted to the chosen path
+    table["int8"]["costs_ms"] = {1: 20, 2: 40, 4: 80, 8: 160}  # one sequence: int8's AR beats int8dyn's exact rate
     one = make_lm("llama")
-    assert select(one.model, one.tokenizer, "auto", block_size=4, table_dir=tmp_path).path == "int8"
+    assert select(one.model, one.tokenizer, "auto", block_size=4, table_dir=tmp_path / "one").path == "int8"
 
 
 def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, monkeypatch):

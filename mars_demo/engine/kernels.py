@@ -32,7 +32,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreT
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import lean
+from . import exact, lean
 
 logger = logging.getLogger(__name__)
 
@@ -464,17 +464,34 @@ def cap_from_costs(costs: dict[int, float], share: float = MAX_COST_SHARE) -> in
     return max([2] + [w for w, ms in costs.items() if w >= 2 and ms <= limit])
 
 
-def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT, rows: int = 1) -> str:
-    """The fastest path whose dnll <= ``limit``, for passes of ``rows`` tokens (capped at the widest measured).
+def decode_rate(costs: dict[int, float], block_size: int) -> float:
+    """Tokens per ms of one sequence on a cost curve: AR's, or exact decoding's if that is more.
 
-    rows = 1 (one sequence): the cheapest one-token pass, AR's; within 5% of it, the cheaper widest
-    pass. A batch of ``rows`` sequences feeds at least that many tokens a pass: its cost there decides.
+    Exact decoding's rate is its layout model's (exact.DraftDepth) at its prior acceptance, one draft in
+    two held: a flat curve turns the masks' guesses into speed, a steep one leaves AR's one-token pass.
+    """
+    depth = exact.DraftDepth(max(block_size - 1, 1), costs)
+    return max(1 / costs[1], depth.rate(*depth.layout()))
+
+
+def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT, rows: int = 1, block_size: int = 4) -> str:
+    """The fastest path whose dnll <= ``limit``, for one sequence (rows = 1) or batches of ``rows`` sequences.
+
+    One sequence: the best ``decode_rate``. A batch of ``rows`` sequences feeds at least that many tokens a
+    pass: the cheapest pass at ``rows`` (capped at the widest measured) decides; within 5% of it, the
+    cheaper widest pass.
     """
     passing = [p for p in PATHS if p in candidates and (p == "fp32" or candidates[p]["dnll"] <= limit)]
 
+    def curve(p: str) -> dict[int, float]:
+        return {int(w): ms for w, ms in sorted(candidates[p]["costs_ms"].items(), key=lambda item: int(item[0]))}
+
+    if rows <= 1:
+        return max(passing, key=lambda p: decode_rate(curve(p), block_size))
+
     def speed(p: str) -> tuple[float, float]:
-        costs = {int(w): ms for w, ms in candidates[p]["costs_ms"].items()}
-        return costs[min(max(rows, 1), max(costs))], costs[max(costs)]
+        costs = curve(p)
+        return costs[min(rows, max(costs))], costs[max(costs)]
 
     best = min(passing, key=lambda p: speed(p)[0])
     close = [p for p in passing if speed(p)[0] <= speed(best)[0] * 1.05]
@@ -487,6 +504,7 @@ def table_key(model: PreTrainedModel, widths: range) -> str:
     return "|".join([
         cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"kernels={KERNELS_VERSION}",
         f"transformers={transformers.__version__}", f"model={name}", f"params={params}", f"widths={widths.stop - 1}",
+        f"lean={lean.enabled(model)}",
     ])
 
 
@@ -548,7 +566,9 @@ def select(
         staging = table_path.with_name(table_path.name + f".tmp{os.getpid()}")
         staging.write_text(json.dumps(table, indent=1) + "\n")
         staging.replace(table_path)
-    chosen = choose({p: entry[p] for p in paths}, rows=rows) if precision == "auto" else precision
+    chosen = precision
+    if precision == "auto":
+        chosen = choose({p: entry[p] for p in paths}, rows=rows, block_size=block_size)
     convert(model, chosen, smoothing=smoothing)
     costs = {int(w): ms for w, ms in entry[chosen]["costs_ms"].items()}
     return ComputePath(

@@ -250,9 +250,14 @@ class LeanForward:
         return layer.o(out.reshape(batch, n, -1))
 
 
+def enabled(model: PreTrainedModel) -> bool:
+    """Whether ``install`` puts the lean forward on ``model``: it runs it and LEAN_ENV does not say "0"."""
+    return os.environ.get(LEAN_ENV, "1") != "0" and unsupported(model) is None
+
+
 def install(model: PreTrainedModel) -> bool:
     """Make ``model(...)`` run the lean forward (False, nothing changed: unsupported or switched off)."""
-    if os.environ.get(LEAN_ENV, "1") == "0" or unsupported(model) is not None:
+    if not enabled(model):
         return False
     uninstall(model)
     model.forward = LeanForward(model, model.forward)
