@@ -126,3 +126,16 @@ def test_unsupported_models_and_the_switch_keep_the_models_own_forward(monkeypat
     assert lean.install(lm.model) and lean.installed(lm.model)
     lean.uninstall(lm.model)
     assert not lean.installed(lm.model) and "forward" not in lm.model.__dict__
+
+
+def test_a_model_already_on_the_lean_forward_converts_like_a_plain_one():
+    """int8dyn's smoothing reads activation ranges with hooks on the linears, which the lean forward bypasses."""
+    plain, lean_first = make_lm("qwen2"), make_lm("qwen2")
+    convert(lean_first.model, "fp32")  # auto measures fp32 on the lean forward, then converts copies of it
+    assert lean.installed(lean_first.model)
+    smoothing = token_ids(plain.tokenizer, PROMPTS)
+    for lm in (plain, lean_first):
+        convert(lm.model, "int8dyn", smoothing=smoothing)
+    ids = torch.tensor([plain.tokenizer(PROMPTS[3]).input_ids])
+    with torch.inference_mode():
+        assert torch.equal(plain.model(input_ids=ids).logits, lean_first.model(input_ids=ids).logits)

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
-KERNELS_VERSION = 5
+KERNELS_VERSION = 6
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
@@ -234,12 +234,12 @@ class FusedSlice(nn.Module):
         super().__init__()
         # a tuple keeps the group out of this module's children (one owner); the GEMM's forward is
         # called without nn.Module's call machinery (no hooks on it), ~4 us less a call
-        self._group = (group, group.linear.forward)
+        self.fused = (group, group.linear.forward)  # also how lean.py finds the one GEMM of the siblings
         self.start, self.stop, self.last = start, stop, last
         self.in_features, self.out_features = group.linear.in_features, stop - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group, gemm = self._group
+        group, gemm = self.fused
         seen = group.last  # one read of one tuple: another thread's call cannot tear it
         y = seen[1] if seen[0] is x else gemm(x)
         # object's own setattr: nn.Module's (a plain value checked against parameters, buffers and
@@ -352,6 +352,7 @@ def convert(
     """
     if path not in PATHS:
         raise ValueError(f"unknown compute path {path!r}")
+    lean.uninstall(model)  # convert transformers' modules: smoothing's ranges come from their hooks
     if path == "bf16":
         model.to(torch.bfloat16)
     elif path == "int8":

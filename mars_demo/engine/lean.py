@@ -72,14 +72,16 @@ def _gemm(module: nn.Module):
 
 
 def _siblings(parent: nn.Module, names: tuple[str, ...]):
-    """(one GEMM for all siblings or None, each sibling's GEMM, the split sizes of the fused output)."""
-    from .kernels import FusedSlice  # kernels installs this module: import here, not at the top
+    """(one GEMM for all siblings or None, each sibling's GEMM, the split sizes of the fused output).
 
+    Siblings fused by kernels.FusedLinears are FusedSlices carrying ``fused`` = (group, its GEMM).
+    """
     slices = [getattr(parent, n) for n in names]
-    if all(type(s) is FusedSlice for s in slices) and len({id(s._group[0]) for s in slices}) == 1:
+    fused = [getattr(s, "fused", None) for s in slices]
+    if all(f is not None for f in fused) and len({id(f[0]) for f in fused}) == 1:
         starts = [s.start for s in slices]
         if starts == sorted(starts) and starts[0] == 0:
-            return slices[0]._group[1], None, [s.out_features for s in slices]
+            return fused[0][1], None, [s.out_features for s in slices]
     return None, [_gemm(s) for s in slices], None
 
 
