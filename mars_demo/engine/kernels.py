@@ -136,8 +136,13 @@ def row_exact_attention(module, query, key, value, attention_mask, max_rows: int
     if q_len > max_rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling")
-    if batch == 1 and q_len == 1 and attention_mask is None:  # the one-token pass: the same call as every row's
-        return _attend_alone(module, query, key, value, scaling), None
+    if batch == 1 and attention_mask is None:  # one sequence, causal over its cache: the commonest passes
+        if q_len == 1:  # the one-token pass: the same call as every row's
+            return _attend_alone(module, query, key, value, scaling), None
+        first = key.shape[2] - q_len + 1  # keys the first row sees
+        rows = [_attend_alone(module, query[:, :, i : i + 1], key[:, :, : first + i], value[:, :, : first + i], scaling)
+                for i in range(q_len)]
+        return torch.cat(rows, dim=1), None  # (1, q, heads, head_dim)
     seen = _last_mask
     if attention_mask is not None and seen[0] is attention_mask:
         visible = seen[1]
