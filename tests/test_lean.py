@@ -139,3 +139,20 @@ def test_a_model_already_on_the_lean_forward_converts_like_a_plain_one():
     ids = torch.tensor([plain.tokenizer(PROMPTS[3]).input_ids])
     with torch.inference_mode():
         assert torch.equal(plain.model(input_ids=ids).logits, lean_first.model(input_ids=ids).logits)
+
+
+def test_transformers_generate_on_a_left_padded_batch_matches_too():
+    """generate makes left-padded rows' position ids only when the forward's signature shows ``position_ids``."""
+    lm = on_path("llama", "int8dyn")
+    texts = [" ".join(PROMPTS), "Count"]  # the second row padded by many columns
+    batch = lm.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    runs = []
+    for on in (True, False):
+        if not on:
+            lean.uninstall(lm.model)
+        with torch.inference_mode():
+            runs.append(lm.model.generate(**batch, max_new_tokens=6, do_sample=False, output_logits=True,
+                                          return_dict_in_generate=True, pad_token_id=lm.tokenizer.pad_token_id))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    # RoPE sees relative positions, so shifted ones change only the rounding: compare the bits
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].logits, runs[1].logits, strict=True))

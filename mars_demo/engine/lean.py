@@ -20,6 +20,7 @@ sliding windows) goes to the model's own forward.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -181,6 +182,9 @@ class LeanForward:
     def __init__(self, model: PreTrainedModel, fallback) -> None:
         self.model = model
         self.fallback = fallback
+        # transformers reads the forward's parameters (generate makes left-padded rows' position ids only
+        # when it sees ``position_ids``): show the model's own
+        self.__signature__ = inspect.signature(fallback)
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
