@@ -8,6 +8,8 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from mars_demo.engine import exact, lean
 from mars_demo.engine.kernels import convert, token_ids
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.research.bench import profile_passes
 
 from conftest import PROMPTS, make_lm
 
@@ -156,3 +158,15 @@ def test_transformers_generate_on_a_left_padded_batch_matches_too():
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     # RoPE sees relative positions, so shifted ones change only the rounding: compare the bits
     assert all(torch.equal(a, b) for a, b in zip(runs[0].logits, runs[1].logits, strict=True))
+
+
+def test_bench_profiles_the_body_and_the_head_of_the_lean_forward():
+    """The lean forward calls neither the decoder module nor the head module, whose hooks the profiler used."""
+    lm = on_path("qwen2", "int8dyn")
+    prompts = [prompt_ids(lm.tokenizer, p) for p in PROMPTS[:2]]
+    profile = profile_passes(lm, prompts, tau=0.5, block_size=4, max_new_tokens=6)
+    for name in ("mars", "ar"):
+        parts = profile[name]["ms_per_pass"]
+        assert parts["forward_body"] > 0 and parts["lm_head"] > 0, parts
+        assert parts["forward_body"] + parts["lm_head"] <= parts["total"]
+    assert lm.model.forward.clock is None  # taken off afterwards

@@ -185,6 +185,9 @@ class LeanForward:
         # transformers reads the forward's parameters (generate makes left-padded rows' position ids only
         # when it sees ``position_ids``): show the model's own
         self.__signature__ = inspect.signature(fallback)
+        # a profiler's clock(part, starting), called around the body and the head (research/bench.py's
+        # PassClock): the module hooks it would use are not called here
+        self.clock = None
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
@@ -204,6 +207,9 @@ class LeanForward:
 
     def _forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep):
         config = self.model.config
+        clock = self.clock
+        if clock is not None:
+            clock("forward_body", True)
         use_cache = config.use_cache if use_cache is None else use_cache
         x = self.embed(input_ids)  # (batch, n, hidden)
         if use_cache and past_key_values is None:
@@ -231,9 +237,14 @@ class LeanForward:
                 gate, up = (gemm(h) for gemm in layer.gate_and_up)
             x = x + layer.down(F.silu(gate) * up)
         x = _norm(x, self.norm, self.norm_eps)
+        if clock is not None:
+            clock("forward_body", False)
+            clock("lm_head", True)
         keep = logits_to_keep or 0
-        x = x[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
-        return CausalLMOutputWithPast(logits=self.head(x), past_key_values=past_key_values)
+        logits = self.head(x[:, slice(-keep, None) if isinstance(keep, int) else keep, :])
+        if clock is not None:
+            clock("lm_head", False)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 
     @staticmethod
     def _attention(layer: _Layer, h, cos, sin, half, mask, attend, store) -> torch.Tensor:
