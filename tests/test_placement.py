@@ -14,6 +14,7 @@ import pytest
 import torch
 from accelerate import dispatch_model
 
+from mars_demo.engine import lean
 from mars_demo.engine.batching import collect_batch, generate_batch
 from mars_demo.engine.config import DecodeConfig
 from mars_demo.engine.decoding import collect, generate
@@ -51,6 +52,7 @@ def test_the_split_really_offloads(pair):
     assert spread.model.lm_head.weight.device.type == "meta"
     assert spread.model.device.type == "meta"  # what the decoder used to put its inputs on
     assert input_device(spread.model) == torch.device("cpu")
+    assert "dispatched" in lean.unsupported(spread.model)  # the lean forward would skip accelerate's hooks
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -52,6 +52,8 @@ def unsupported(model: PreTrainedModel) -> str | None:
         return f"activation {config.hidden_act!r}"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
         return "sliding-window layers"
+    if any(hasattr(module, "_hf_hook") for module in model.modules()):
+        return "dispatched by accelerate (its hooks move weights and inputs on every module call)"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
