@@ -111,6 +111,8 @@ def test_what_the_lean_forward_does_not_cover_goes_to_the_models_own_forward():
         assert out.hidden_states is not None and len(out.hidden_states) == lm.model.config.num_hidden_layers + 1
         assert lm.model(input_ids=ids, labels=ids).loss is not None
         assert isinstance(lm.model(input_ids=ids, return_dict=False), tuple)
+        mask = torch.ones_like(ids)
+        assert torch.equal(lm.model(ids, mask).logits, lm.model(input_ids=ids, attention_mask=mask).logits)
 
 
 def test_unsupported_models_and_the_switch_keep_the_models_own_forward(monkeypatch):

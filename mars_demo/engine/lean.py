@@ -197,14 +197,14 @@ class LeanForward:
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.head = _gemm(model.lm_head)
 
-    def __call__(self, input_ids=None, **kwargs):
+    def __call__(self, input_ids=None, *args, **kwargs):
         model = self.model
         odd = any(v is not None and v is not False for k, v in kwargs.items() if k not in ARGUMENTS)
         if (
-            odd or input_ids is None or kwargs.get("return_dict") is False or model.training
+            args or odd or input_ids is None or kwargs.get("return_dict") is False or model.training
             or model.config._attn_implementation not in ATTENTION
         ):
-            return self.fallback(input_ids=input_ids, **kwargs)
+            return self.fallback(input_ids, *args, **kwargs)
         return self._forward(input_ids, *(kwargs.get(name) for name in READ))
 
     def _forward(self, input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep):
