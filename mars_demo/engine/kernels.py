@@ -18,7 +18,6 @@ import copy
 import json
 import logging
 import os
-import platform
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -32,14 +31,15 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreT
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import exact, lean
+from . import exact, lean, rowattn
+from .machine import cpu_model
 
 logger = logging.getLogger(__name__)
 
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
-KERNELS_VERSION = 6
+KERNELS_VERSION = 7
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
@@ -130,12 +130,26 @@ def row_exact_prefill_attention(module, query, key, value, attention_mask, **kwa
 
 
 def row_exact_attention(module, query, key, value, attention_mask, max_rows: int = ROW_EXACT_MAX_ROWS, **kwargs):
-    """SDPA in which each query row of a pass of up to ``max_rows`` attends alone, as in a one-token pass."""
+    """SDPA in which each query row of a pass of up to ``max_rows`` attends alone, as in a one-token pass.
+
+    fp32 passes take the native kernel (rowattn.py) where it is built: all rows in one call per layer.
+    """
     global _last_mask
     batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)
     if q_len > max_rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling")
+    native = rowattn.kernel()
+    if native is not None and rowattn.supports(query, key, value):
+        visible = None
+        if attention_mask is not None:
+            seen = _last_mask
+            if seen[0] is attention_mask and isinstance(seen[1], rowattn.Visible):
+                visible = seen[1]
+            else:
+                visible = rowattn.Visible(attention_mask, batch, q_len, key.shape[2])
+                _last_mask = (attention_mask, visible)
+        return rowattn.attend(native, query, key, value, scaling, visible), None
     if batch == 1 and attention_mask is None:  # one sequence, causal over its cache: the commonest passes
         if q_len == 1:  # the one-token pass: the same call as every row's
             return _attend_alone(module, query, key, value, scaling), None
@@ -144,7 +158,7 @@ def row_exact_attention(module, query, key, value, attention_mask, max_rows: int
                 for i in range(q_len)]
         return torch.cat(rows, dim=1), None  # (1, q, heads, head_dim)
     seen = _last_mask
-    if attention_mask is not None and seen[0] is attention_mask:
+    if attention_mask is not None and seen[0] is attention_mask and isinstance(seen[1], list):
         visible = seen[1]
     else:
         visible = _visible_keys(attention_mask, batch, q_len, key.shape[2])
@@ -401,16 +415,6 @@ class ComputePath:
         return asdict(self)
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def pass_costs(model: PreTrainedModel, widths: range, *, context: int = 128, reps: int = 5) -> dict[int, float]:
     """Ms of a cached pass feeding each width of tokens after ``context`` tokens (the fastest of ``reps``)."""
     gen = torch.Generator().manual_seed(0)
@@ -510,7 +514,7 @@ def table_key(model: PreTrainedModel, widths: range) -> str:
     return "|".join([
         cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"kernels={KERNELS_VERSION}",
         f"transformers={transformers.__version__}", f"model={name}", f"params={params}", f"widths={widths.stop - 1}",
-        f"lean={lean.enabled(model)}",
+        f"lean={lean.enabled(model)}", f"rowattn={rowattn.kernel() is not None}",
     ])
 
 

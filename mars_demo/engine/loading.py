@@ -45,6 +45,7 @@ from transformers import (
 )
 
 from .kernels import PRECISION_ENV, ComputePath, check_precision, select
+from .machine import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +97,6 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
-
-
-def cache_dir() -> Path:
-    """Where converted weights live (``MARS_DEMO_CACHE`` overrides)."""
-    root = os.environ.get("MARS_DEMO_CACHE") or Path.home() / ".cache" / "mars_demo"
-    return Path(root)
 
 
 def gguf_path() -> Path:

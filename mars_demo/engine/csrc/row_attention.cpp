@@ -1,0 +1,237 @@
+// Row-exact attention for short passes on the CPU (mars_demo/engine/rowattn.py).
+//
+// Every query row attends alone: its output depends only on its query and on the sequence of keys
+// and values it may see, never on the other rows of the call, their number or the keys it may not
+// see. A row computed in a one-token pass and the same row in a wider pass (MARS, exact mode) or a
+// batch therefore agree bit for bit. Within a row the order of every sum is fixed by the row's own
+// visible keys: scores are dot products over the head dimension (8-lane partial sums), the softmax
+// sums in 8 lanes by position, and the values accumulate key by key.
+//
+// Built at run time by rowattn.py (g++ -O3 -march=native, no fast-math) and called through ctypes.
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) {
+  v8f v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
+
+static inline float hsum8(v8f v) {
+  // a fixed pairwise order
+  float a = (v[0] + v[4]) + (v[2] + v[6]);
+  float b = (v[1] + v[5]) + (v[3] + v[7]);
+  return a + b;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, eight at a time.
+static inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
+
+static inline v8f exp8(v8f x) {
+  const v8f lo = splat(-87.33654f);
+  x = x < lo ? lo : x;
+  v8f n = x * 1.44269504088896341f + 0.5f;
+  v8i ni = __builtin_convertvector(n, v8i);  // truncation toward zero
+  v8f nf = __builtin_convertvector(ni, v8f);
+  ni = nf > n ? ni - 1 : ni;  // floor
+  nf = __builtin_convertvector(ni, v8f);
+  x = x - nf * 0.693359375f;
+  x = x - nf * -2.12194440e-4f;
+  v8f z = x * x;
+  v8f p = splat(1.9875691500e-4f);
+  p = p * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  p = p * z + x + 1.0f;
+  v8i bits = (ni + 127) << 23;
+  v8f scale;
+  memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Call {
+  const float* q; int64_t qb, qh, qr;   // query (batch, heads, rows, dim): strides in floats, dim contiguous
+  const float* k; int64_t kb, kh, ks;   // keys (batch, kv heads, keys, dim)
+  const float* v; int64_t vb, vh, vs;   // values, as keys
+  float* out;                           // (batch, rows, heads, dim), contiguous
+  int64_t batch, heads, kv_heads, rows, keys, dim;
+  const int64_t* ranges;                // [start, end) pairs of visible keys, by row; null: causal
+  const int64_t* offsets;               // row (b * rows + i) owns ranges offsets[r] .. offsets[r + 1] - 1
+  float scale;
+};
+
+// The dot product of q and k over dim (a multiple of 8 when D8 > 0): 8-lane partial sums, then a fixed tree.
+template <int D8>
+static inline float dot(const float* q, const float* k, int64_t d) {
+  v8f acc = splat(0.0f);
+  const int64_t n8 = D8 > 0 ? D8 * 8 : d - d % 8;
+  for (int64_t t = 0; t < n8; t += 8) acc += load8(q + t) * load8(k + t);
+  float s = hsum8(acc);
+  if (D8 == 0)
+    for (int64_t t = n8; t < d; t++) s += q[t] * k[t];
+  return s;
+}
+
+// One row, all heads: q row (b, i) over its visible keys. D8: dim / 8 when the dim is 64 or 128
+// (the accumulators stay in registers), 0 for any dim. A model always takes the same branch.
+template <int D8>
+static void attend_row(const Call* c, int64_t b, int64_t i, float* scores) {
+  const int64_t d = c->dim, group = c->heads / c->kv_heads;
+  int64_t causal_range[2];
+  const int64_t* ranges;
+  int64_t n_ranges;
+  if (c->ranges) {
+    const int64_t r = b * c->rows + i;
+    ranges = c->ranges + 2 * c->offsets[r];
+    n_ranges = c->offsets[r + 1] - c->offsets[r];
+  } else {
+    causal_range[0] = 0;
+    causal_range[1] = c->keys - c->rows + i + 1;
+    ranges = causal_range;
+    n_ranges = 1;
+  }
+  const int64_t d8 = D8 > 0 ? D8 * 8 : d - d % 8;
+  for (int64_t h = 0; h < c->heads; h++) {
+    const float* q = c->q + b * c->qb + h * c->qh + i * c->qr;
+    const int64_t kvh = h / group;
+    const float* kbase = c->k + b * c->kb + kvh * c->kh;
+    const float* vbase = c->v + b * c->vb + kvh * c->vh;
+    float* out = c->out + ((b * c->rows + i) * c->heads + h) * d;
+    // scores, in the order of the visible keys; four keys at a time for independent chains
+    int64_t m = 0;
+    for (int64_t g = 0; g < n_ranges; g++) {
+      int64_t j = ranges[2 * g];
+      const int64_t end = ranges[2 * g + 1];
+      for (; j + 4 <= end; j += 4) {
+        const float* kj = kbase + j * c->ks;
+        v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t t = 0; t < d8; t += 8) {
+          const v8f qt = load8(q + t);
+          a0 += qt * load8(kj + t);
+          a1 += qt * load8(kj + c->ks + t);
+          a2 += qt * load8(kj + 2 * c->ks + t);
+          a3 += qt * load8(kj + 3 * c->ks + t);
+        }
+        float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
+        if (D8 == 0) {
+          for (int64_t t = d8; t < d; t++) {
+            s0 += q[t] * kj[t];
+            s1 += q[t] * kj[c->ks + t];
+            s2 += q[t] * kj[2 * c->ks + t];
+            s3 += q[t] * kj[3 * c->ks + t];
+          }
+        }
+        scores[m++] = s0 * c->scale;
+        scores[m++] = s1 * c->scale;
+        scores[m++] = s2 * c->scale;
+        scores[m++] = s3 * c->scale;
+      }
+      for (; j < end; j++) scores[m++] = dot<D8>(q, kbase + j * c->ks, d) * c->scale;
+    }
+    if (m == 0) {  // nothing visible (a padding row): zeros
+      memset(out, 0, d * sizeof(float));
+      continue;
+    }
+    float top = scores[0];
+    for (int64_t j = 1; j < m; j++) top = scores[j] > top ? scores[j] : top;
+    // exponentials and their sum, in 8 lanes by position
+    for (int64_t j = m; j < m + 8; j++) scores[j] = -INFINITY;  // the tail's unused lanes: exp gives 0
+    v8f lanes = splat(0.0f);
+    for (int64_t j = 0; j < m; j += 8) {
+      v8f e = exp8(load8(scores + j) - top);
+      store8(scores + j, e);
+      lanes += e;
+    }
+    const float inv = 1.0f / hsum8(lanes);
+    // values, key by key
+    if (D8 > 0) {
+      v8f acc[D8 > 0 ? D8 : 1];
+      for (int u = 0; u < D8; u++) acc[u] = splat(0.0f);
+      int64_t at = 0;
+      for (int64_t g = 0; g < n_ranges; g++) {
+        for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
+          const float* vj = vbase + j * c->vs;
+          const v8f p = splat(scores[at]);
+          for (int u = 0; u < D8; u++) acc[u] += p * load8(vj + 8 * u);
+        }
+      }
+      for (int u = 0; u < D8; u++) store8(out + 8 * u, acc[u] * inv);
+    } else {
+      for (int64_t t = 0; t < d; t++) out[t] = 0.0f;
+      int64_t at = 0;
+      for (int64_t g = 0; g < n_ranges; g++) {
+        for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
+          const float* vj = vbase + j * c->vs;
+          const float p = scores[at];
+          for (int64_t t = 0; t < d; t++) out[t] += p * vj[t];
+        }
+      }
+      for (int64_t t = 0; t < d; t++) out[t] *= inv;
+    }
+  }
+}
+
+struct Share {
+  const Call* call;
+  int64_t first, last;  // rows (b * rows + i) first .. last - 1
+};
+
+static void* run_share(void* arg) {
+  const Share* s = (const Share*)arg;
+  float* scores = (float*)malloc((s->call->keys + 16) * sizeof(float));
+  if (!scores) return (void*)1;
+  const Call* c = s->call;
+  for (int64_t r = s->first; r < s->last; r++) {
+    if (c->dim == 64)
+      attend_row<8>(c, r / c->rows, r % c->rows, scores);
+    else if (c->dim == 128)
+      attend_row<16>(c, r / c->rows, r % c->rows, scores);
+    else
+      attend_row<0>(c, r / c->rows, r % c->rows, scores);
+  }
+  free(scores);
+  return 0;
+}
+
+extern "C" int row_attention(
+    const float* q, int64_t qb, int64_t qh, int64_t qr, const float* k, int64_t kb, int64_t kh, int64_t ks,
+    const float* v, int64_t vb, int64_t vh, int64_t vs, float* out, int64_t batch, int64_t heads,
+    int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, const int64_t* ranges, const int64_t* offsets,
+    float scale, int64_t threads) {
+  Call c = {q, qb, qh, qr, k, kb, kh, ks, v, vb, vh, vs, out, batch, heads, kv_heads, rows, keys, dim,
+            ranges, offsets, scale};
+  const int64_t total = batch * rows;
+  if (threads > total) threads = total;
+  if (threads <= 1) {
+    Share all = {&c, 0, total};
+    return run_share(&all) ? 1 : 0;
+  }
+  // rows split evenly by count; each row is computed whole by one thread, so threads change no bits
+  Share shares[64];
+  pthread_t ids[64];
+  if (threads > 64) threads = 64;
+  int failed = 0;
+  for (int64_t t = 0; t < threads; t++) {
+    shares[t] = {&c, total * t / threads, total * (t + 1) / threads};
+  }
+  int64_t started = 1;
+  while (started < threads && !pthread_create(&ids[started], 0, run_share, &shares[started])) started++;
+  for (int64_t t = started; t < threads; t++) failed |= run_share(&shares[t]) != 0;  // threads it could not start
+  failed |= run_share(&shares[0]) != 0;
+  for (int64_t t = 1; t < started; t++) {
+    void* r;
+    pthread_join(ids[t], &r);
+    failed |= r != 0;
+  }
+  return failed;
+}

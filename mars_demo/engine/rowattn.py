@@ -1,0 +1,141 @@
+"""Row-exact attention as one native call per layer: every row of a short pass attends alone, cheaply.
+
+Exact mode, MARS at tau = 1.0 and batch rows equal one-token AR only if a row's output does not
+depend on the rows fed beside it. SDPA's does (its blocking follows the rows and keys of the call),
+so ``kernels.row_exact_attention`` used to call SDPA once per row and layer: ~40 us a row on a
+2-core EPYC, most of what a wider pass costs over a one-token pass. ``csrc/row_attention.cpp`` does
+all the rows of a layer in one call, each row over its own visible keys in an order fixed by those
+keys alone (module comment there): ~14 us a row at context 200.
+
+The kernel is compiled here on first use (g++ or the C compiler named by ``CXX``, -O3, tuned to this
+CPU, no fast-math; ~2 s) into the cache beside the converted weights, keyed by the source, the
+compiler and the CPU, and loaded with ctypes. Without a compiler, or with ``MARS_DEMO_ROWATTN=0``,
+``kernel()`` is None and the attention goes row by row through SDPA as before. Which one a process
+uses never changes while it runs, so all of its passes round alike.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from .machine import cache_dir, cpu_model
+
+logger = logging.getLogger(__name__)
+
+ROWATTN_ENV = "MARS_DEMO_ROWATTN"  # "0": SDPA row by row (for comparisons, or where the kernel misbehaves)
+SOURCE = Path(__file__).resolve().parent / "csrc" / "row_attention.cpp"
+FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=c++17")
+TUNE = ("-march=native",)  # dropped where the compiler refuses it
+# Rows are split over two threads when a call sees at least this many (key, head) pairs: below it,
+# starting a thread costs more than it saves (measured at context 200 and 1000, BENCHMARKS.md).
+THREADED_WORK = 20_000
+_I, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _build(compiler: str, where: Path) -> Path:
+    """The shared library for this source, compiler and CPU: built once, then found in ``where``."""
+    version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), version, cpu_model(), platform.machine(), " ".join(FLAGS + TUNE)]).encode()
+    ).hexdigest()[:16]
+    target = where / f"row_attention-{digest}.so"
+    if target.exists():
+        return target
+    where.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=where) as scratch:
+        built = Path(scratch) / target.name
+        for tune in (TUNE, ()):
+            command = [compiler, *FLAGS, *tune, "-o", str(built), str(SOURCE)]
+            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                break
+        else:
+            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+        os.replace(built, target)  # atomic: a process beside this one sees the whole file or none
+    return target
+
+
+@cache
+def kernel():
+    """The native row attention (a ctypes function), or None: switched off, no compiler, or the build failed."""
+    if os.environ.get(ROWATTN_ENV, "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.info("no C++ compiler: row-exact attention runs SDPA row by row")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler, cache_dir() / "native")))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("row-exact attention kernel unavailable (%s): SDPA row by row", error)
+        return None
+    function = library.row_attention
+    function.argtypes = [_P, _I, _I, _I] * 3 + [_P] + [_I] * 6 + [_P, _P, ctypes.c_float, _I]
+    function.restype = ctypes.c_int
+    return function
+
+
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the kernel can run these tensors: fp32 on the CPU, key heads dividing query heads."""
+    return (
+        query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
+        and query.shape[1] % key.shape[1] == 0 and key.shape[1] == value.shape[1]
+        and key.shape[-1] == value.shape[-1] == query.shape[-1]
+    )
+
+
+class Visible:
+    """The keys each row of a masked pass may see, as [start, end) ranges (batch padding, exact mode's groups).
+
+    ranges: (N, 2) int64; offsets: (batch * rows + 1,) int64, row r owning ranges[offsets[r]:offsets[r + 1]].
+    """
+
+    def __init__(self, attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> None:
+        allowed = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+        allowed = allowed.expand(batch, q_len, kv_len).to(torch.int8)
+        edges = torch.nn.functional.pad(allowed, (1, 1)).diff(dim=-1)  # +1 where a run starts, -1 after it ends
+        starts, ends = (edges == 1).nonzero(), (edges == -1).nonzero()  # row-major: they pair up in order
+        self.ranges = torch.stack([starts[:, 2], ends[:, 2]], dim=1).contiguous()
+        per_row = torch.bincount(starts[:, 0] * q_len + starts[:, 1], minlength=batch * q_len)
+        self.offsets = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)]).contiguous()
+        self.work = int((ends[:, 2] - starts[:, 2]).sum())  # visible (row, key) pairs
+
+
+def attend(
+    function, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+    visible: Visible | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` (batch, heads, rows, dim) over ``key``/``value`` (batch, kv heads, keys, dim).
+
+    visible None: causal over a cache, row i sees keys[: keys - rows + i + 1]. Returns (batch, rows, heads, dim).
+    """
+    batch, heads, rows, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = query.new_empty(batch, rows, heads, dim)
+    work = visible.work if visible is not None else rows * (keys - rows) + rows * (rows + 1) // 2
+    threads = 2 if work * heads >= THREADED_WORK and torch.get_num_threads() > 1 else 1
+    failed = function(
+        query.data_ptr(), *query.stride()[:3], key.data_ptr(), *key.stride()[:3], value.data_ptr(),
+        *value.stride()[:3], out.data_ptr(), batch, heads, kv_heads, rows, keys, dim,
+        None if visible is None else visible.ranges.data_ptr(), None if visible is None else visible.offsets.data_ptr(),
+        dim**-0.5 if scale is None else scale, threads,
+    )
+    if failed:
+        raise MemoryError("row-exact attention: out of memory for its score buffer")
+    return out

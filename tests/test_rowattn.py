@@ -1,0 +1,152 @@
+"""The native row-exact attention (engine/rowattn.py, csrc/row_attention.cpp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mars_demo.engine import exact, kernels, rowattn
+
+from conftest import PROMPTS, make_lm
+
+needs_kernel = pytest.mark.skipif(rowattn.kernel() is None, reason="no C++ compiler: the kernel cannot be built")
+
+
+def tensors(batch=1, heads=9, kv_heads=3, rows=5, keys=203, dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, rows, dim, generator=g)
+    k = torch.randn(batch, kv_heads, keys, dim, generator=g)
+    v = torch.randn(batch, kv_heads, keys, dim, generator=g)
+    return q, k, v
+
+
+def sdpa_rows(q, k, v, allowed):
+    """Reference: SDPA one row at a time over the keys ``allowed`` (batch, rows, keys) lets it see."""
+    out = torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    for b in range(q.shape[0]):
+        for i in range(q.shape[2]):
+            seen = allowed[b, i].nonzero().squeeze(1)
+            if len(seen):
+                one = F.scaled_dot_product_attention(q[b : b + 1, :, i : i + 1], k[b : b + 1, :, seen],
+                                                     v[b : b + 1, :, seen], enable_gqa=True)
+                out[b, i] = one[0, :, 0]
+    return out
+
+
+def causal(batch, rows, keys):
+    return torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows).expand(batch, rows, keys)
+
+
+def additive(allowed):
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 128, 12])  # the two unrolled head sizes and the generic loop
+@pytest.mark.parametrize("keys", [1, 7, 203])
+def test_the_kernel_agrees_with_sdpa(dim, keys):
+    rows = min(5, keys)
+    q, k, v = tensors(rows=rows, keys=keys, dim=dim)
+    out = rowattn.attend(rowattn.kernel(), q, k, v, None)
+    torch.testing.assert_close(out, sdpa_rows(q, k, v, causal(1, rows, keys)), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 12])
+def test_a_row_is_bit_for_bit_the_same_alone_and_among_others(dim, monkeypatch):
+    q, k, v = tensors(rows=8, keys=130, dim=dim)
+    together = rowattn.attend(rowattn.kernel(), q, k, v, 0.3)
+    monkeypatch.setattr(rowattn, "THREADED_WORK", 0)  # rows split over two threads
+    assert torch.equal(rowattn.attend(rowattn.kernel(), q, k, v, 0.3), together)
+    first = 130 - 8 + 1
+    for i in range(8):
+        alone = rowattn.attend(rowattn.kernel(), q[:, :, i : i + 1], k[:, :, : first + i], v[:, :, : first + i], 0.3)
+        assert torch.equal(alone[0, 0], together[0, i]), i
+
+
+@needs_kernel
+def test_masked_rows_see_only_their_keys_and_nothing_leaks_from_the_others():
+    q, k, v = tensors(batch=2, rows=4, keys=40)
+    allowed = causal(2, 4, 40).clone()
+    allowed[1, :, :6] = False  # left padding of the second row of the batch
+    allowed[0, 3, 20:30] = False  # a row with two runs of keys
+    allowed[1, 0] = False  # a row that sees nothing
+    k[1, :, :6] = float("nan")  # what a padding position's keys may hold
+    v[1, :, :6] = float("nan")
+    mask = additive(allowed)
+    visible = rowattn.Visible(mask, 2, 4, 40)
+    out = rowattn.attend(rowattn.kernel(), q, k, v, None, visible)
+    assert not out.isnan().any()
+    assert torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
+    torch.testing.assert_close(out, sdpa_rows(q, k, v, allowed), atol=2e-6, rtol=1e-5)
+    # the row with two runs equals that row alone over its keys gathered into one run
+    seen = allowed[0, 3].nonzero().squeeze(1)
+    alone = rowattn.attend(rowattn.kernel(), q[:1, :, 3:4], k[:1, :, seen], v[:1, :, seen], None)
+    assert torch.equal(alone[0, 0], out[0, 3])
+
+
+@needs_kernel
+def test_a_boolean_mask_reads_as_the_additive_one():
+    allowed = causal(1, 3, 10).clone()
+    allowed[0, 2, 4] = False
+    by_bool = rowattn.Visible(allowed[:, None], 1, 3, 10)
+    by_add = rowattn.Visible(additive(allowed), 1, 3, 10)
+    assert torch.equal(by_bool.ranges, by_add.ranges) and torch.equal(by_bool.offsets, by_add.offsets)
+    assert by_bool.ranges.tolist() == [[0, 8], [0, 9], [0, 4], [5, 10]]
+    assert by_bool.offsets.tolist() == [0, 1, 2, 4] and by_bool.work == 8 + 9 + 9
+
+
+@needs_kernel
+def test_exact_modes_verifying_window_rows_equal_one_token_passes():
+    """The drafts' rows of a verifying pass (4-D mask, fallback masks) attend exactly as AR's one-token rows."""
+    cached, dim = 30, 64
+    fed = exact.verify_window([5], [7, 8], 3, 0, cached, torch.float32, "cpu")
+    n = fed.width
+    q, k, v = tensors(rows=n, keys=cached + n, dim=dim)
+    visible = rowattn.Visible(fed.attention_mask, 1, n, cached + n)
+    out = rowattn.attend(rowattn.kernel(), q, k, v, None, visible)
+    for i in range(3):  # the pending token and the two drafts
+        seen = cached + i + 1
+        alone = rowattn.attend(rowattn.kernel(), q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], None)
+        assert torch.equal(alone[0, 0], out[0, i])
+
+
+def test_switched_off_or_without_a_compiler_there_is_no_kernel(monkeypatch):
+    rowattn.kernel.cache_clear()
+    try:
+        monkeypatch.setenv(rowattn.ROWATTN_ENV, "0")
+        assert rowattn.kernel() is None
+        rowattn.kernel.cache_clear()
+        monkeypatch.delenv(rowattn.ROWATTN_ENV)
+        monkeypatch.setattr(rowattn, "_compiler", lambda: None)
+        assert rowattn.kernel() is None
+    finally:
+        monkeypatch.undo()
+        rowattn.kernel.cache_clear()
+
+
+def test_supports_only_fp32_on_the_cpu_with_whole_key_groups():
+    q, k, v = tensors(heads=6, kv_heads=3, rows=2, keys=5, dim=8)
+    assert rowattn.supports(q, k, v)
+    assert not rowattn.supports(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    q4, k4, v4 = tensors(heads=4, kv_heads=3, rows=2, keys=5, dim=8)
+    assert not rowattn.supports(q4, k4, v4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_int8_paths_decode_the_same_with_and_without_the_kernel_up_to_rounding(arch, monkeypatch):
+    """The kernel replaces SDPA row by row: the same logits up to float rounding, and it is the one called."""
+    lm = make_lm(arch)
+    kernels.convert(lm.model, "int8dyn")
+    ids = torch.tensor([lm.tokenizer(PROMPTS[0]).input_ids])
+    calls = []
+    real = rowattn.attend
+    monkeypatch.setattr(rowattn, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.inference_mode():
+        native = lm.model(input_ids=ids).logits
+        assert calls
+        monkeypatch.setattr(rowattn, "kernel", lambda: None)
+        by_rows = lm.model(input_ids=ids).logits
+    torch.testing.assert_close(native, by_rows, atol=1e-4, rtol=1e-4)
