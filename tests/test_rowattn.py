@@ -150,3 +150,28 @@ def test_the_int8_paths_decode_the_same_with_and_without_the_kernel_up_to_roundi
         monkeypatch.setattr(rowattn, "kernel", lambda: None)
         by_rows = lm.model(input_ids=ids).logits
     torch.testing.assert_close(native, by_rows, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_the_build_is_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch):
+    compiler = rowattn._compiler()
+    first = rowattn._build(compiler, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert rowattn._build(compiler, tmp_path) == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
+    monkeypatch.setattr(rowattn, "cpu_features", lambda: "another instruction set")
+    second = rowattn._build(compiler, tmp_path)
+    assert second != first and second.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])  # no scraps left
+
+
+def test_a_failing_compiler_leaves_sdpa_row_by_row(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # exits 1 whatever it is asked
+    rowattn.kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert rowattn.kernel() is None
+        assert "row-exact attention kernel unavailable" in caplog.text
+    finally:
+        monkeypatch.undo()
+        rowattn.kernel.cache_clear()

@@ -13,11 +13,21 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line of /proc/cpuinfo (Linux), None elsewhere."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_features() -> str:
+    """The instruction sets the CPU reports (a VM may hide some that its model name has)."""
+    return _cpuinfo("flags") or _cpuinfo("Features") or platform.machine()

@@ -9,7 +9,7 @@ keys alone (module comment there): ~14 us a row at context 200.
 
 The kernel is compiled here on first use (g++ or the C compiler named by ``CXX``, -O3, tuned to this
 CPU, no fast-math; ~2 s) into the cache beside the converted weights, keyed by the source, the
-compiler and the CPU, and loaded with ctypes. Without a compiler, or with ``MARS_DEMO_ROWATTN=0``,
+compiler, the CPU and its instruction sets, and loaded with ctypes. Without a compiler, or with ``MARS_DEMO_ROWATTN=0``,
 ``kernel()`` is None and the attention goes row by row through SDPA as before. Which one a process
 uses never changes while it runs, so all of its passes round alike.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .machine import cache_dir, cpu_model
+from .machine import cache_dir, cpu_features, cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ ROWATTN_ENV = "MARS_DEMO_ROWATTN"  # "0": SDPA row by row (for comparisons, or w
 SOURCE = Path(__file__).resolve().parent / "csrc" / "row_attention.cpp"
 FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=c++17")
 TUNE = ("-march=native",)  # dropped where the compiler refuses it
-# Rows are split over two threads when a call sees at least this many (key, head) pairs: below it,
-# starting a thread costs more than it saves (measured at context 200 and 1000, BENCHMARKS.md).
+# A call takes one more thread (up to torch's count) per this many visible (row, key, head) triples:
+# below it, starting a thread costs more than it saves (measured at context 200 and 1000, BENCHMARKS.md).
 THREADED_WORK = 20_000
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 
@@ -50,9 +50,8 @@ def _compiler() -> str | None:
 def _build(compiler: str, where: Path) -> Path:
     """The shared library for this source, compiler and CPU: built once, then found in ``where``."""
     version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, cpu_model(), platform.machine(), " ".join(FLAGS + TUNE)]).encode()
-    ).hexdigest()[:16]
+    key = [SOURCE.read_text(), version, cpu_model(), cpu_features(), platform.machine(), *FLAGS, *TUNE]
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
     target = where / f"row_attention-{digest}.so"
     if target.exists():
         return target
@@ -128,8 +127,9 @@ def attend(
     kv_heads, keys = key.shape[1], key.shape[2]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out = query.new_empty(batch, rows, heads, dim)
-    work = visible.work if visible is not None else rows * (keys - rows) + rows * (rows + 1) // 2
-    threads = 2 if work * heads >= THREADED_WORK and torch.get_num_threads() > 1 else 1
+    work = visible.work if visible is not None else batch * (rows * (keys - rows) + rows * (rows + 1) // 2)
+    most = torch.get_num_threads()
+    threads = max(1, min(most, 1 + work * heads // THREADED_WORK if THREADED_WORK else most))
     failed = function(
         query.data_ptr(), *query.stride()[:3], key.data_ptr(), *key.stride()[:3], value.data_ptr(),
         *value.stride()[:3], out.data_ptr(), batch, heads, kv_heads, rows, keys, dim,
