@@ -132,7 +132,7 @@ def row_exact_prefill_attention(module, query, key, value, attention_mask, **kwa
 def row_exact_attention(module, query, key, value, attention_mask, max_rows: int = ROW_EXACT_MAX_ROWS, **kwargs):
     """SDPA in which each query row of a pass of up to ``max_rows`` attends alone, as in a one-token pass.
 
-    fp32 passes take the native kernel (rowattn.py) where it is built: all rows in one call per layer.
+    On fp32 tensors it is the native kernel (rowattn.py) where that is built: all rows in one call per layer.
     """
     global _last_mask
     batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)

@@ -105,7 +105,8 @@ class Visible:
     """
 
     def __init__(self, attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> None:
-        allowed = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
+        mask = attention_mask[:, 0, :, :kv_len]  # a static cache's mask may run past the keys held
+        allowed = mask if mask.dtype == torch.bool else mask == 0
         allowed = allowed.expand(batch, q_len, kv_len).to(torch.int8)
         edges = torch.nn.functional.pad(allowed, (1, 1)).diff(dim=-1)  # +1 where a run starts, -1 after it ends
         starts, ends = (edges == 1).nonzero(), (edges == -1).nonzero()  # row-major: they pair up in order
