@@ -7,11 +7,11 @@ so ``kernels.row_exact_attention`` used to call SDPA once per row and layer: ~40
 all the rows of a layer in one call, each row over its own visible keys in an order fixed by those
 keys alone (module comment there): ~14 us a row at context 200.
 
-The kernel is compiled here on first use (g++ or the C compiler named by ``CXX``, -O3, tuned to this
-CPU, no fast-math; ~2 s) into the cache beside the converted weights, keyed by the source, the
-compiler, the CPU and its instruction sets, and loaded with ctypes. Without a compiler, or with ``MARS_DEMO_ROWATTN=0``,
-``kernel()`` is None and the attention goes row by row through SDPA as before. Which one a process
-uses never changes while it runs, so all of its passes round alike.
+The kernel is compiled here on first use (g++, or the C++ compiler named by ``CXX``; -O3, tuned to
+this CPU, no fast-math; ~2 s) into the cache beside the converted weights, keyed by the source, the
+compiler, the CPU and its instruction sets, and loaded with ctypes. Without a compiler, or with
+``MARS_DEMO_ROWATTN=0``, ``kernel()`` is None and the attention goes row by row through SDPA as
+before. Which one a process uses never changes while it runs, so all of its passes round alike.
 """
 
 from __future__ import annotations
