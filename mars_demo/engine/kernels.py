@@ -104,8 +104,7 @@ def _visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, k
     """For every (row of the batch, query), a prefix length or an index tensor of the keys it may see."""
     if attention_mask is None:  # causal over a cache of kv_len - q_len tokens
         return [[kv_len - q_len + i + 1 for i in range(q_len)] for _ in range(batch)]
-    allowed = attention_mask[:, 0] if attention_mask.dtype == torch.bool else attention_mask[:, 0] == 0
-    allowed = allowed.expand(batch, q_len, kv_len)  # (batch, q, kv)
+    allowed = rowattn.allowed_keys(attention_mask, batch, q_len, kv_len)
     counts = allowed.sum(-1).tolist()
     prefix = allowed.int().cumprod(-1).sum(-1).tolist()  # one host sync for the whole pass
     return [
@@ -114,7 +113,17 @@ def _visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, k
     ]
 
 
-_last_mask: tuple = (None, None)  # every layer of a pass gets the same mask object: read it once
+_last_mask: tuple = (None, None, None)  # (mask, reader, what it read): every layer of a pass gets the same mask
+
+
+def _read_mask(read, attention_mask: torch.Tensor, *shape: int):
+    """``read(attention_mask, *shape)``, once per mask object (the layers of a pass share one)."""
+    global _last_mask
+    mask, reader, found = _last_mask
+    if mask is not attention_mask or reader is not read:
+        found = read(attention_mask, *shape)
+        _last_mask = (attention_mask, read, found)
+    return found
 
 
 def _attend_alone(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
@@ -134,21 +143,14 @@ def row_exact_attention(module, query, key, value, attention_mask, max_rows: int
 
     On fp32 tensors it is the native kernel (rowattn.py) where that is built: all rows in one call per layer.
     """
-    global _last_mask
     batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)
     if q_len > max_rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling")
     native = rowattn.kernel()
     if native is not None and rowattn.supports(query, key, value):
-        visible = None
-        if attention_mask is not None:
-            seen = _last_mask
-            if seen[0] is attention_mask and isinstance(seen[1], rowattn.Visible):
-                visible = seen[1]
-            else:
-                visible = rowattn.Visible(attention_mask, batch, q_len, key.shape[2])
-                _last_mask = (attention_mask, visible)
+        shape = batch, q_len, key.shape[2]
+        visible = None if attention_mask is None else _read_mask(rowattn.Visible, attention_mask, *shape)
         return rowattn.attend(native, query, key, value, scaling, visible), None
     if batch == 1 and attention_mask is None:  # one sequence, causal over its cache: the commonest passes
         if q_len == 1:  # the one-token pass: the same call as every row's
@@ -157,12 +159,11 @@ def row_exact_attention(module, query, key, value, attention_mask, max_rows: int
         rows = [_attend_alone(module, query[:, :, i : i + 1], key[:, :, : first + i], value[:, :, : first + i], scaling)
                 for i in range(q_len)]
         return torch.cat(rows, dim=1), None  # (1, q, heads, head_dim)
-    seen = _last_mask
-    if attention_mask is not None and seen[0] is attention_mask and isinstance(seen[1], list):
-        visible = seen[1]
+    shape = batch, q_len, key.shape[2]
+    if attention_mask is None:
+        visible = _visible_keys(None, *shape)
     else:
-        visible = _visible_keys(attention_mask, batch, q_len, key.shape[2])
-        _last_mask = (attention_mask, visible)
+        visible = _read_mask(_visible_keys, attention_mask, *shape)
     rows = []
     for b in range(batch):
         for i, keys in enumerate(visible[b]):

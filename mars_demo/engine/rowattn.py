@@ -98,6 +98,13 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
     )
 
 
+def allowed_keys(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """(batch, q, kv) bool: the keys each row may see, from a boolean or an additive 4-D mask."""
+    mask = attention_mask[:, 0, :, :kv_len]  # a static cache's mask may run past the keys held
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    return allowed.expand(batch, q_len, kv_len)
+
+
 class Visible:
     """The keys each row of a masked pass may see, as [start, end) ranges (batch padding, exact mode's groups).
 
@@ -105,9 +112,7 @@ class Visible:
     """
 
     def __init__(self, attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> None:
-        mask = attention_mask[:, 0, :, :kv_len]  # a static cache's mask may run past the keys held
-        allowed = mask if mask.dtype == torch.bool else mask == 0
-        allowed = allowed.expand(batch, q_len, kv_len).to(torch.int8)
+        allowed = allowed_keys(attention_mask, batch, q_len, kv_len).to(torch.int8)
         edges = torch.nn.functional.pad(allowed, (1, 1)).diff(dim=-1)  # +1 where a run starts, -1 after it ends
         starts, ends = (edges == 1).nonzero(), (edges == -1).nonzero()  # row-major: they pair up in order
         self.ranges = torch.stack([starts[:, 2], ends[:, 2]], dim=1).contiguous()
