@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mars_demo.engine import exact, kernels, rowattn
+from mars_demo.engine import exact, kernels, native, rowattn
 
 from conftest import PROMPTS, make_lm
 
@@ -114,16 +114,18 @@ def test_exact_modes_verifying_window_rows_equal_one_token_passes():
 
 def test_switched_off_or_without_a_compiler_there_is_no_kernel(monkeypatch):
     rowattn.kernel.cache_clear()
+    native.library.cache_clear()
     try:
         monkeypatch.setenv(rowattn.ROWATTN_ENV, "0")
         assert rowattn.kernel() is None
         rowattn.kernel.cache_clear()
         monkeypatch.delenv(rowattn.ROWATTN_ENV)
-        monkeypatch.setattr(rowattn, "_compiler", lambda: None)
+        monkeypatch.setattr(native, "compiler", lambda: None)
         assert rowattn.kernel() is None
     finally:
         monkeypatch.undo()
         rowattn.kernel.cache_clear()
+        native.library.cache_clear()
 
 
 def test_supports_only_fp32_on_the_cpu_with_whole_key_groups():
@@ -152,26 +154,3 @@ def test_the_int8_paths_decode_the_same_with_and_without_the_kernel_up_to_roundi
     torch.testing.assert_close(native, by_rows, atol=1e-4, rtol=1e-4)
 
 
-@needs_kernel
-def test_the_build_is_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch):
-    compiler = rowattn._compiler()
-    first = rowattn._build(compiler, tmp_path)
-    stamp = first.stat().st_mtime_ns
-    assert rowattn._build(compiler, tmp_path) == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
-    monkeypatch.setattr(rowattn, "cpu_features", lambda: "another instruction set")
-    second = rowattn._build(compiler, tmp_path)
-    assert second != first and second.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])  # no scraps left
-
-
-def test_a_failing_compiler_leaves_sdpa_row_by_row(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", "false")  # exits 1 whatever it is asked
-    rowattn.kernel.cache_clear()
-    try:
-        with caplog.at_level("WARNING"):
-            assert rowattn.kernel() is None
-        assert "row-exact attention kernel unavailable" in caplog.text
-    finally:
-        monkeypatch.undo()
-        rowattn.kernel.cache_clear()

@@ -31,7 +31,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreT
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import exact, lean, rowattn
+from . import exact, int8gemm, lean, rowattn
 from .machine import cpu_model
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
-KERNELS_VERSION = 7
+KERNELS_VERSION = 8
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
@@ -200,7 +200,10 @@ except (AttributeError, RuntimeError):  # a torch build without quantized CPU op
 
 
 class RowInt8Linear(nn.Module):
-    """fbgemm's int8 linear, row-exact: one activation scale per row, 7-bit per-channel weights."""
+    """int8dyn's linear, row-exact: one activation scale per row, 7-bit per-channel weights.
+
+    One native call where the kernel builds (engine/int8gemm.py), else fbgemm's: the same bits.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -208,16 +211,25 @@ class RowInt8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         scale = weight.abs().amax(dim=1).clamp_min(1e-8) / DYN_WEIGHT_QMAX
         ints = torch.round(weight / scale[:, None]).clamp(-DYN_WEIGHT_QMAX, DYN_WEIGHT_QMAX).to(torch.int8)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.has_bias = bias is not None  # a plain attribute: reading a buffer goes through nn.Module.__getattr__
+        self.native = int8gemm.kernel()
+        self.packed = self.weights = None
+        if self.native is not None:
+            self.weights = int8gemm.Weights(ints, scale, self.bias)
+            return
         zeros = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's packing still takes one
             warnings.simplefilter("ignore")
             quantized = torch._make_per_channel_quantized_tensor(ints, scale.double(), zeros, 0)
         self.packed = torch.ops.quantized.linear_prepack(quantized, None)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.has_bias = bias is not None  # a plain attribute: reading a buffer goes through nn.Module.__getattr__
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.native is not None:
+            if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+                rows = rows.float().contiguous()
+            return self.weights.linear(self.native, rows).reshape(*x.shape[:-1], self.out_features)
         row_max = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)  # linalg's inf-norm is 2x dearer here
         y = _LINEAR_FIXED_RANGE(rows / row_max, DYN_INPUT_SCALE, DYN_INPUT_ZERO, self.packed).mul_(row_max)
         if self.has_bias:
@@ -516,6 +528,7 @@ def table_key(model: PreTrainedModel, widths: range) -> str:
         cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"kernels={KERNELS_VERSION}",
         f"transformers={transformers.__version__}", f"model={name}", f"params={params}", f"widths={widths.stop - 1}",
         f"lean={lean.enabled(model)}", f"rowattn={rowattn.kernel() is not None}",
+        f"int8gemm={int8gemm.kernel() is not None}",
     ])
 
 

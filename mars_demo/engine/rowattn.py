@@ -7,66 +7,30 @@ so ``kernels.row_exact_attention`` used to call SDPA once per row and layer: ~40
 all the rows of a layer in one call, each row over its own visible keys in an order fixed by those
 keys alone (module comment there): ~14 us a row at context 200.
 
-The kernel is compiled here on first use (g++, or the C++ compiler named by ``CXX``; -O3, tuned to
-this CPU, no fast-math; ~2 s) into the cache beside the converted weights, keyed by the source, the
-compiler, the CPU and its instruction sets, and loaded with ctypes. Without a compiler, or with
+The kernel is built on first use (engine/native.py). Without a compiler, or with
 ``MARS_DEMO_ROWATTN=0``, ``kernel()`` is None and the attention goes row by row through SDPA as
-before. Which one a process uses never changes while it runs, so all of its passes round alike.
+before.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from .machine import cache_dir, cpu_features, cpu_model
+from . import native
 
 logger = logging.getLogger(__name__)
 
 ROWATTN_ENV = "MARS_DEMO_ROWATTN"  # "0": SDPA row by row (for comparisons, or where the kernel misbehaves)
-SOURCE = Path(__file__).resolve().parent / "csrc" / "row_attention.cpp"
-FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=c++17")
-TUNE = ("-march=native",)  # dropped where the compiler refuses it
-# A call takes one more thread (up to torch's count) per this many visible (row, key, head) triples:
-# below it, starting a thread costs more than it saves (measured at context 200 and 1000, BENCHMARKS.md).
-THREADED_WORK = 20_000
+# A call takes one more thread (up to torch's count) per this many visible (row, key, head) triples.
+# The threads are torch's OpenMP team, awake between a pass's GEMMs, so splitting costs little: at
+# context 200 and 1000 a threshold of 1,000 was as fast as 5,000 and faster than 20,000 (BENCHMARKS.md).
+THREADED_WORK = 1_000
 _I, _P = ctypes.c_int64, ctypes.c_void_p
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++") or shutil.which("clang++")
-
-
-def _build(compiler: str, where: Path) -> Path:
-    """The shared library for this source, compiler and CPU: built once, then found in ``where``."""
-    version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    key = [SOURCE.read_text(), version, cpu_model(), cpu_features(), platform.machine(), *FLAGS, *TUNE]
-    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
-    target = where / f"row_attention-{digest}.so"
-    if target.exists():
-        return target
-    where.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=where) as scratch:
-        built = Path(scratch) / target.name
-        for tune in (TUNE, ()):
-            command = [compiler, *FLAGS, *tune, "-o", str(built), str(SOURCE)]
-            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
-            if done.returncode == 0:
-                break
-        else:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
-        os.replace(built, target)  # atomic: a process beside this one sees the whole file or none
-    return target
 
 
 @cache
@@ -74,14 +38,8 @@ def kernel():
     """The native row attention (a ctypes function), or None: switched off, no compiler, or the build failed."""
     if os.environ.get(ROWATTN_ENV, "1") == "0":
         return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.info("no C++ compiler: row-exact attention runs SDPA row by row")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler, cache_dir() / "native")))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        logger.warning("row-exact attention kernel unavailable (%s): SDPA row by row", error)
+    library = native.library("row_attention")
+    if library is None:
         return None
     function = library.row_attention
     function.argtypes = [_P, _I, _I, _I] * 3 + [_P] + [_I] * 6 + [_P, _P, ctypes.c_float, _I]

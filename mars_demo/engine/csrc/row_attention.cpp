@@ -9,10 +9,12 @@
 //
 // Built at run time by rowattn.py (g++ -O3 -march=native, no fast-math) and called through ctypes.
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -82,10 +84,10 @@ static inline float dot(const float* q, const float* k, int64_t d) {
   return s;
 }
 
-// One row, all heads: q row (b, i) over its visible keys. D8: dim / 8 when the dim is 64 or 128
-// (the accumulators stay in registers), 0 for any dim. A model always takes the same branch.
+// One row, heads h0 .. h1 - 1: q row (b, i) over its visible keys. D8: dim / 8 when the dim is 64 or
+// 128 (the accumulators stay in registers), 0 for any dim. A model always takes the same branch.
 template <int D8>
-static void attend_row(const Call* c, int64_t b, int64_t i, float* scores) {
+static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t h1, float* scores) {
   const int64_t d = c->dim, group = c->heads / c->kv_heads;
   int64_t causal_range[2];
   const int64_t* ranges;
@@ -101,7 +103,7 @@ static void attend_row(const Call* c, int64_t b, int64_t i, float* scores) {
     n_ranges = 1;
   }
   const int64_t d8 = D8 > 0 ? D8 * 8 : d - d % 8;
-  for (int64_t h = 0; h < c->heads; h++) {
+  for (int64_t h = h0; h < h1; h++) {
     const float* q = c->q + b * c->qb + h * c->qh + i * c->qr;
     const int64_t kvh = h / group;
     const float* kbase = c->k + b * c->kb + kvh * c->kh;
@@ -181,23 +183,21 @@ static void attend_row(const Call* c, int64_t b, int64_t i, float* scores) {
   }
 }
 
-struct Share {
-  const Call* call;
-  int64_t first, last;  // rows (b * rows + i) first .. last - 1
-};
-
-static void* run_share(void* arg) {
-  const Share* s = (const Share*)arg;
-  float* scores = (float*)malloc((s->call->keys + 16) * sizeof(float));
-  if (!scores) return (void*)1;
-  const Call* c = s->call;
-  for (int64_t r = s->first; r < s->last; r++) {
+// Units (b * rows + i) * heads + h, first .. last - 1: each one computed whole by one thread, so how
+// the units are split over threads changes no bits.
+static int run_units(const Call* c, int64_t first, int64_t last) {
+  float* scores = (float*)malloc((c->keys + 16) * sizeof(float));
+  if (!scores) return 1;
+  while (first < last) {
+    const int64_t r = first / c->heads, h0 = first % c->heads;
+    const int64_t h1 = h0 + (last - first) < c->heads ? h0 + (last - first) : c->heads;
     if (c->dim == 64)
-      attend_row<8>(c, r / c->rows, r % c->rows, scores);
+      attend_row<8>(c, r / c->rows, r % c->rows, h0, h1, scores);
     else if (c->dim == 128)
-      attend_row<16>(c, r / c->rows, r % c->rows, scores);
+      attend_row<16>(c, r / c->rows, r % c->rows, h0, h1, scores);
     else
-      attend_row<0>(c, r / c->rows, r % c->rows, scores);
+      attend_row<0>(c, r / c->rows, r % c->rows, h0, h1, scores);
+    first += h1 - h0;
   }
   free(scores);
   return 0;
@@ -210,28 +210,19 @@ extern "C" int row_attention(
     float scale, int64_t threads) {
   Call c = {q, qb, qh, qr, k, kb, kh, ks, v, vb, vh, vs, out, batch, heads, kv_heads, rows, keys, dim,
             ranges, offsets, scale};
-  const int64_t total = batch * rows;
+  const int64_t total = batch * rows * heads;
   if (threads > total) threads = total;
-  if (threads <= 1) {
-    Share all = {&c, 0, total};
-    return run_share(&all) ? 1 : 0;
-  }
-  // rows split evenly by count; each row is computed whole by one thread, so threads change no bits
-  Share shares[64];
-  pthread_t ids[64];
-  if (threads > 64) threads = 64;
   int failed = 0;
-  for (int64_t t = 0; t < threads; t++) {
-    shares[t] = {&c, total * t / threads, total * (t + 1) / threads};
+#if defined(_OPENMP)
+  if (threads > 1) {
+    // torch's own OpenMP threads (native.py): units split evenly by count
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+      failed |= run_units(&c, total * t / n, total * (t + 1) / n);
+    }
+    return failed;
   }
-  int64_t started = 1;
-  while (started < threads && !pthread_create(&ids[started], 0, run_share, &shares[started])) started++;
-  for (int64_t t = started; t < threads; t++) failed |= run_share(&shares[t]) != 0;  // threads it could not start
-  failed |= run_share(&shares[0]) != 0;
-  for (int64_t t = 1; t < started; t++) {
-    void* r;
-    pthread_join(ids[t], &r);
-    failed |= r != 0;
-  }
-  return failed;
+#endif
+  return run_units(&c, 0, total);
 }

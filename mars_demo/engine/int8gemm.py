@@ -1,0 +1,72 @@
+"""int8dyn's linear as one native call: row scaling, coding, the int8 GEMM and its float ends together.
+
+``kernels.RowInt8Linear`` scales each row by its largest magnitude, codes it as uint8 and multiplies
+it by 7-bit weights. Through fbgemm that is six torch ops and one fbgemm call, which packs its
+input and starts its threads for every GEMM: 65-95 us a call at one row on a 2-core EPYC, 121 calls
+a pass, for ~10-60 us of arithmetic. ``csrc/int8_linear.cpp`` does the same arithmetic in one call
+(13-36 us), its threads waiting in a pool between calls. Its integer sums are exact and its float
+steps are fbgemm's (csrc comment), so its output is fbgemm's bit for bit where fbgemm is right;
+fbgemm itself is not always (it sometimes returns one wrong row of a 64-row call:
+tests/test_int8gemm.py and BENCHMARKS.md, "Native int8 linear").
+
+Built on first use (engine/native.py). Without a compiler, or with ``MARS_DEMO_INT8GEMM=0``,
+``kernel()`` is None and RowInt8Linear calls fbgemm as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+
+import torch
+
+from . import native
+
+INT8GEMM_ENV = "MARS_DEMO_INT8GEMM"  # "0": fbgemm (for comparisons, or where the kernel misbehaves)
+INPUT_STEP = 2.0 / 255  # a row scaled to [-1, 1] is coded in 255 steps around 128
+# fbgemm multiplies by the float reciprocal of the float step (127.49999..., not 127.5): so does the kernel
+INVERSE_STEP = float(1.0 / torch.tensor(INPUT_STEP, dtype=torch.float32))
+THREADS = 0
+_I, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+@cache
+def kernel():
+    """The native int8 linear (a ctypes function), or None: switched off, no compiler, or the build failed."""
+    if os.environ.get(INT8GEMM_ENV, "1") == "0":
+        return None
+    library = native.library("int8_linear")
+    if library is None:
+        return None
+    function = library.int8_linear
+    function.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_float, _I]
+    function.restype = ctypes.c_int
+    return function
+
+
+class Weights:
+    """A linear's weights as the kernel reads them: int8 (out, in), 128 x each channel's sum, float scales."""
+
+    def __init__(self, ints: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.ints = ints.contiguous()
+        # the codes are stored as code + 128: their sums carry 128 x the weight sums, taken back here
+        self.sums = (ints.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
+        # fbgemm's factor: the float step times the float channel scale, one rounding
+        self.scales = (torch.tensor(INPUT_STEP, dtype=torch.float32) * weight_scale.float()).contiguous()
+        self.bias = None if bias is None else bias.detach().float().clone()
+        self.out_features, self.in_features = ints.shape
+        self._pointers = (self.ints.data_ptr(), self.sums.data_ptr(), self.scales.data_ptr())
+        self._bias = None if self.bias is None else self.bias.data_ptr()
+
+    def linear(self, function, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (n, in) fp32 with unit stride along ``in`` -> (n, out)."""
+        n = rows.shape[0]
+        y = rows.new_empty(n, self.out_features)
+        failed = function(
+            rows.data_ptr(), n, self.in_features, rows.stride(0), *self._pointers, self._bias, self.out_features,
+            y.data_ptr(), INVERSE_STEP, THREADS or torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("int8 linear: out of memory for its coded rows")
+        return y

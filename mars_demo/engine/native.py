@@ -1,0 +1,79 @@
+"""Native kernels (``csrc/*.cpp``), compiled on first use with this machine's C++ compiler.
+
+A kernel's library is built once (g++, or the compiler named by ``CXX``; -O3, tuned to this CPU,
+no fast-math and no fused multiply-adds the source does not write, ~2 s) into the cache beside the
+converted weights, keyed by the source, the compiler, the CPU and its instruction sets, and loaded
+with ctypes. ``library`` returns None where there is no compiler or the build fails (a warning):
+every caller has a torch path that gives the same results (``int8_linear``: the same bits;
+``row_attention``: the same up to float rounding). Which one a process uses never changes while it
+runs, so all of its passes round alike.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from .machine import cache_dir, cpu_features, cpu_model
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=c++17")
+# int8_linear: a * b + c stays two roundings, as torch's ops round it (g++ fuses them otherwise)
+OWN_FLAGS = {"int8_linear": ("-ffp-contract=off",)}
+TUNE = ("-march=native",)  # dropped where the compiler refuses it
+# OpenMP for the kernels' threads. The library asks for libgomp.so.1, and the dynamic linker hands it
+# the one torch has loaded (same soname): the kernels share torch's threads instead of competing
+# with them. Dropped where the compiler has no OpenMP (the kernels then run on one thread).
+OPENMP = ("-fopenmp",)
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def build(name: str, compiler: str, where: Path) -> Path:
+    """The shared library of ``csrc/<name>.cpp`` for this compiler and CPU: built once, then found in ``where``."""
+    source = SOURCES / f"{name}.cpp"
+    own = OWN_FLAGS.get(name, ())
+    version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
+    key = [source.read_text(), version, cpu_model(), cpu_features(), platform.machine(), *FLAGS, *own, *TUNE, *OPENMP]
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+    target = where / f"{name}-{digest}.so"
+    if target.exists():
+        return target
+    where.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=where) as scratch:
+        built = Path(scratch) / target.name
+        for extra in ((*TUNE, *OPENMP), TUNE, ()):
+            command = [compiler, *FLAGS, *own, *extra, "-o", str(built), str(source)]
+            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+            if done.returncode == 0:
+                break
+        else:
+            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+        os.replace(built, target)  # atomic: a process beside this one sees the whole file or none
+    return target
+
+
+@cache
+def library(name: str) -> ctypes.CDLL | None:
+    """The loaded library of ``csrc/<name>.cpp``, or None: no compiler, or the build failed."""
+    found = compiler()
+    if found is None:
+        logger.info("no C++ compiler: the native %s kernel is not used", name)
+        return None
+    try:
+        return ctypes.CDLL(str(build(name, found, cache_dir() / "native")))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("native %s kernel unavailable (%s): its torch path runs instead", name, error)
+        return None

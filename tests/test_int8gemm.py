@@ -1,0 +1,168 @@
+"""The native int8 linear (engine/int8gemm.py, csrc/int8_linear.cpp) and how kernels are built (engine/native.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mars_demo.engine import int8gemm, kernels, native, rowattn
+from mars_demo.engine.kernels import DYN_WEIGHT_QMAX, RowInt8Linear
+
+from conftest import make_lm
+
+needs_kernel = pytest.mark.skipif(int8gemm.kernel() is None, reason="no C++ compiler: the kernel cannot be built")
+
+
+def weights(out: int, inp: int, seed: int = 0, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out, inp, generator=g), (torch.randn(out, generator=g) if bias else None)
+
+
+def reference(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """RowInt8Linear's arithmetic in torch, the integer sums in int64: what either engine must return."""
+    scale = weight.abs().amax(dim=1).clamp_min(1e-8) / DYN_WEIGHT_QMAX
+    ints = torch.round(weight / scale[:, None]).clamp(-DYN_WEIGHT_QMAX, DYN_WEIGHT_QMAX).to(torch.int64)
+    row_max = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    codes = torch.clamp(torch.round((x / row_max) * int8gemm.INVERSE_STEP), -128, 127).to(torch.int64)
+    y = ((codes @ ints.T).float() * (torch.tensor(int8gemm.INPUT_STEP) * scale)) * row_max
+    return y if bias is None else y + bias
+
+
+def awkward_rows(n: int, inp: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(n, inp, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0] = 0.0  # an all-zero row
+    if n > 3:
+        x[1] *= 1e4  # a loud row and a quiet one
+        x[2] *= 1e-6
+        x[3, inp // 2] = -500.0  # an outlier channel
+    return x
+
+
+def fbgemm_linear(weight, bias, monkeypatch) -> RowInt8Linear:
+    int8gemm.kernel.cache_clear()
+    try:
+        monkeypatch.setenv(int8gemm.INT8GEMM_ENV, "0")
+        return RowInt8Linear(weight, bias)
+    finally:
+        monkeypatch.delenv(int8gemm.INT8GEMM_ENV)
+        int8gemm.kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("out, inp", [(80, 96), (37, 100), (960, 576), (7, 1536)])  # tails in both dimensions
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernel_returns_the_exact_integer_arithmetic_for_every_row_count(out, inp, bias):
+    weight, b = weights(out, inp, bias=bias)
+    linear = RowInt8Linear(weight, b)
+    assert linear.native is not None and linear.packed is None  # no fbgemm copy of the weights
+    for n in (1, 2, 3, 5, 8, 17, 70):
+        x = awkward_rows(n, inp, seed=n)
+        assert torch.equal(linear(x), reference(weight, b, x)), n
+
+
+@needs_kernel
+def test_a_rows_output_is_the_same_alone_in_a_batch_and_on_any_number_of_threads():
+    weight, b = weights(3072, 576)
+    linear = RowInt8Linear(weight, b)
+    x = awkward_rows(9, 576)
+    together = linear(x[None])[0]  # (batch, rows, in) as a model feeds it
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.stack([linear(x[i : i + 1])[0] for i in range(9)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+    assert torch.equal(linear(x[:, ::1].T.contiguous().T), together)  # a column-major input
+    assert torch.equal(linear(x[::2]), together[::2])  # rows a stride apart
+
+
+@needs_kernel
+def test_one_row_gives_fbgemms_very_bits(monkeypatch):
+    """fbgemm is the path without a compiler: the same bits, so no figure depends on which one ran."""
+    weight, b = weights(960, 576)
+    mine, theirs = RowInt8Linear(weight, b), fbgemm_linear(weight, b, monkeypatch)
+    assert mine.native is not None and theirs.native is None and theirs.packed is not None
+    x = awkward_rows(24, 576)
+    for i in range(24):
+        assert torch.equal(mine(x[i : i + 1]), theirs(x[i : i + 1])), i
+
+
+@needs_kernel
+def test_bf16_input_is_taken_as_fp32():
+    weight, b = weights(64, 96)
+    linear = RowInt8Linear(weight, b)
+    x = awkward_rows(4, 96).bfloat16()
+    assert torch.equal(linear(x), linear(x.float()))
+
+
+@needs_kernel
+def test_int8dyn_decodes_alike_with_the_kernel_and_with_fbgemm_up_to_fbgemms_rounding(monkeypatch):
+    lm = make_lm("llama")
+    kernels.convert(lm.model, "int8dyn")
+    assert any(getattr(m, "native", None) is not None for m in lm.model.modules())
+    ids = torch.tensor([[5, 17, 29, 3, 11, 40]])
+    with torch.inference_mode():
+        mine = lm.model(input_ids=ids).logits
+    int8gemm.kernel.cache_clear()
+    try:
+        monkeypatch.setenv(int8gemm.INT8GEMM_ENV, "0")
+        fb = make_lm("llama")
+        kernels.convert(fb.model, "int8dyn")
+        assert all(getattr(m, "native", None) is None for m in fb.model.modules())
+        with torch.inference_mode():
+            theirs = fb.model(input_ids=ids).logits
+    finally:
+        monkeypatch.undo()
+        int8gemm.kernel.cache_clear()
+    torch.testing.assert_close(mine, theirs, atol=2e-3, rtol=2e-3)
+
+
+def test_switched_off_or_without_a_compiler_there_is_no_kernel(monkeypatch):
+    int8gemm.kernel.cache_clear()
+    native.library.cache_clear()
+    try:
+        monkeypatch.setenv(int8gemm.INT8GEMM_ENV, "0")
+        assert int8gemm.kernel() is None
+        weight, b = weights(8, 32)
+        x = awkward_rows(5, 32)
+        assert torch.equal(RowInt8Linear(weight, b)(x), reference(weight, b, x))  # fbgemm, right at these rows
+        int8gemm.kernel.cache_clear()
+        monkeypatch.delenv(int8gemm.INT8GEMM_ENV)
+        monkeypatch.setattr(native, "compiler", lambda: None)
+        assert int8gemm.kernel() is None
+    finally:
+        monkeypatch.undo()
+        int8gemm.kernel.cache_clear()
+        native.library.cache_clear()
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("name", ["int8_linear", "row_attention"])
+def test_the_build_is_cached_by_source_compiler_and_cpu(name, tmp_path, monkeypatch):
+    compiler = native.compiler()
+    first = native.build(name, compiler, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build(name, compiler, tmp_path) == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
+    monkeypatch.setattr(native, "cpu_features", lambda: "another instruction set")
+    second = native.build(name, compiler, tmp_path)
+    assert second != first and second.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])  # no scraps left
+
+
+def test_a_failing_compiler_leaves_the_torch_paths(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # exits 1 whatever it is asked
+    caches = (native.library, rowattn.kernel, int8gemm.kernel)
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert rowattn.kernel() is None and int8gemm.kernel() is None
+        assert "native row_attention kernel unavailable" in caplog.text
+        assert "native int8_linear kernel unavailable" in caplog.text
+        assert RowInt8Linear(*weights(8, 32)).packed is not None  # fbgemm's weights instead
+    finally:
+        monkeypatch.undo()
+        for cached in caches:
+            cached.cache_clear()
