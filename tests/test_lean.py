@@ -59,6 +59,27 @@ def test_every_pass_gives_the_transformers_forwards_logits_bit_for_bit(arch, pat
             assert torch.equal(layer_got.keys, layer_want.keys) and torch.equal(layer_got.values, layer_want.values)
 
 
+@pytest.mark.parametrize("path", ["int8", "int8dyn"])
+def test_a_plainly_causal_short_pass_builds_no_mask_and_keeps_the_logits(path, monkeypatch):
+    """One sequence, no padding, a DynamicCache, up to 16 rows: the row-exact attention's own causal rule."""
+    lm = on_path("llama", path)
+    built = []
+    real = lean.create_causal_mask
+    monkeypatch.setattr(lean, "create_causal_mask", lambda **kw: built.append(kw["inputs_embeds"].shape) or real(**kw))
+    model, reference = lm.model, transformers_forward(lm.model)
+    prompt = lm.tokenizer(PROMPTS[0]).input_ids
+    with torch.inference_mode():
+        caches = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        for fed in (prompt[:12], [7, lm.meta.mask_token_id, lm.meta.mask_token_id], [9]):
+            call = {"input_ids": torch.tensor([fed]), "logits_to_keep": len(fed), "use_cache": True}
+            got, want = model(past_key_values=caches[0], **call), reference(past_key_values=caches[1], **call)
+            assert torch.equal(got.logits, want.logits)
+        assert built == []
+        padded = torch.ones(1, caches[0].get_seq_length() + 2, dtype=torch.long)
+        model(input_ids=torch.tensor([[5, 6]]), attention_mask=padded, past_key_values=caches[0], use_cache=True)
+        assert len(built) == 1  # a padding mask given: transformers builds it
+
+
 @pytest.mark.parametrize("path", ["fp32", "int8dyn"])
 def test_left_padded_batches_and_uncached_calls_match_too(path):
     lm = on_path("qwen2", path)

@@ -27,7 +27,6 @@ INT8GEMM_ENV = "MARS_DEMO_INT8GEMM"  # "0": fbgemm (for comparisons, or where th
 INPUT_STEP = 2.0 / 255  # a row scaled to [-1, 1] is coded in 255 steps around 128
 # fbgemm multiplies by the float reciprocal of the float step (127.49999..., not 127.5): so does the kernel
 INVERSE_STEP = float(1.0 / torch.tensor(INPUT_STEP, dtype=torch.float32))
-THREADS = 0
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -56,16 +55,15 @@ class Weights:
         self.scales = (torch.tensor(INPUT_STEP, dtype=torch.float32) * weight_scale.float()).contiguous()
         self.bias = None if bias is None else bias.detach().float().clone()
         self.out_features, self.in_features = ints.shape
-        self._pointers = (self.ints.data_ptr(), self.sums.data_ptr(), self.scales.data_ptr())
-        self._bias = None if self.bias is None else self.bias.data_ptr()
 
     def linear(self, function, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (n, in) fp32 with unit stride along ``in`` -> (n, out)."""
         n = rows.shape[0]
         y = rows.new_empty(n, self.out_features)
         failed = function(
-            rows.data_ptr(), n, self.in_features, rows.stride(0), *self._pointers, self._bias, self.out_features,
-            y.data_ptr(), INVERSE_STEP, THREADS or torch.get_num_threads(),
+            rows.data_ptr(), n, self.in_features, rows.stride(0), self.ints.data_ptr(), self.sums.data_ptr(),
+            self.scales.data_ptr(), None if self.bias is None else self.bias.data_ptr(), self.out_features,
+            y.data_ptr(), INVERSE_STEP, torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("int8 linear: out of memory for its coded rows")

@@ -52,14 +52,14 @@ CALIBRATION_ROWS = 4
 SMOOTHING_ROWS = range(8, 16)
 SMOOTHING_ALPHA = 0.5
 # Passes up to this many rows attend row by row; longer ones (prefills) in one call.
-ROW_EXACT_MAX_ROWS = 16
-ROW_EXACT = "mars_row_exact"
+ROW_EXACT_MAX_ROWS = lean.ROW_EXACT_ROWS  # lean.py skips the mask of plainly causal passes this short
+ROW_EXACT = lean.ROW_EXACT[0]
 # int8dyn: prefills up to this many rows attend row by row too. A MARS or exact prefill feeds the
 # prompt and masks, AR's the prompt alone, and SDPA over a block of rows rounds by block size
 # (~1e-6 in fp32): bf16 activations (int8, bf16) absorb it in practice, int8dyn's per-row scales
 # can turn it into a flipped token (BENCHMARKS.md, issue #15). Longer prompts attend in one call.
 ROW_EXACT_PREFILL_ROWS = 2048
-ROW_EXACT_PREFILL = "mars_row_exact_prefill"
+ROW_EXACT_PREFILL = lean.ROW_EXACT[1]
 TABLE_FILE = "compute-paths.json"
 CALIBRATION_TEXT = (
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "

@@ -40,6 +40,9 @@ ATTENTION = ("sdpa", "eager", "mars_row_exact", "mars_row_exact_prefill")
 # (labels, inputs_embeds, output_hidden_states, ...) goes to the model's own forward.
 READ = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep")
 ARGUMENTS = {"input_ids", "return_dict", *READ}
+# The row-exact attentions (kernels.py) and the rows they always take row by row (kernels.ROW_EXACT_MAX_ROWS)
+ROW_EXACT = ("mars_row_exact", "mars_row_exact_prefill")
+ROW_EXACT_ROWS = 16
 BUFFER_SLACK = 256  # columns a key / value buffer is allocated beyond what it holds
 
 
@@ -219,10 +222,13 @@ class LeanForward:
         if position_ids is None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(x.shape[1], device=x.device) + past).unsqueeze(0)
-        mask = create_causal_mask(
-            config=config, inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        if self._plainly_causal(x, attention_mask, past_key_values):
+            mask = None  # the row-exact attention's own causal rule: no mask to build and read every pass
+        else:
+            mask = create_causal_mask(
+                config=config, inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
+                position_ids=position_ids,
+            )
         cos, sin = self.rotary(x, position_ids=position_ids)  # (batch, n, head_dim)
         half = cos.shape[-1] // 2
         cos, sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
@@ -247,6 +253,20 @@ class LeanForward:
         if clock is not None:
             clock("lm_head", False)
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+
+    def _plainly_causal(self, x: torch.Tensor, attention_mask, past_key_values) -> bool:
+        """Whether this pass's mask would say only "each row sees the cache and the rows up to it".
+
+        One sequence, no padding mask, a cache that holds exactly the tokens before this pass, and a
+        row-exact attention that takes all of these rows row by row: that attention reads a missing mask
+        as exactly this rule, so building the 4-D mask (and the ranges the kernel would read from it,
+        ~170 us a pass) is skipped. Everything else gets transformers' mask.
+        """
+        return (
+            attention_mask is None and x.shape[0] == 1 and x.shape[1] <= ROW_EXACT_ROWS
+            and self.model.config._attn_implementation in ROW_EXACT
+            and (past_key_values is None or type(past_key_values) is DynamicCache)
+        )
 
     @staticmethod
     def _attention(layer: _Layer, h, cos, sin, half, mask, attend, store) -> torch.Tensor:
