@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mars_demo.engine import exact, kernels, native, rowattn
+from mars_demo.engine import exact, kernels, rowattn
 
 from conftest import PROMPTS, make_lm
 
@@ -110,22 +110,6 @@ def test_exact_modes_verifying_window_rows_equal_one_token_passes():
         seen = cached + i + 1
         alone = rowattn.attend(rowattn.kernel(), q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], None)
         assert torch.equal(alone[0, 0], out[0, i])
-
-
-def test_switched_off_or_without_a_compiler_there_is_no_kernel(monkeypatch):
-    rowattn.kernel.cache_clear()
-    native.library.cache_clear()
-    try:
-        monkeypatch.setenv(rowattn.ROWATTN_ENV, "0")
-        assert rowattn.kernel() is None
-        rowattn.kernel.cache_clear()
-        monkeypatch.delenv(rowattn.ROWATTN_ENV)
-        monkeypatch.setattr(native, "compiler", lambda: None)
-        assert rowattn.kernel() is None
-    finally:
-        monkeypatch.undo()
-        rowattn.kernel.cache_clear()
-        native.library.cache_clear()
 
 
 def test_supports_only_fp32_on_the_cpu_with_whole_key_groups():

@@ -16,7 +16,6 @@ Built on first use (engine/native.py). Without a compiler, or with ``MARS_DEMO_I
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 
 import torch
@@ -33,15 +32,7 @@ _I, _P = ctypes.c_int64, ctypes.c_void_p
 @cache
 def kernel():
     """The native int8 linear (a ctypes function), or None: switched off, no compiler, or the build failed."""
-    if os.environ.get(INT8GEMM_ENV, "1") == "0":
-        return None
-    library = native.library("int8_linear")
-    if library is None:
-        return None
-    function = library.int8_linear
-    function.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_float, _I]
-    function.restype = ctypes.c_int
-    return function
+    return native.function("int8_linear", INT8GEMM_ENV, [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_float, _I])
 
 
 class Weights:

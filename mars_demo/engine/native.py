@@ -77,3 +77,16 @@ def library(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.warning("native %s kernel unavailable (%s): its torch path runs instead", name, error)
         return None
+
+
+def function(name: str, switch: str, argtypes: list) -> ctypes._CFuncPtr | None:
+    """The C function ``name`` of ``csrc/<name>.cpp`` (returning int), or None: ``switch`` set to "0" or no library."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    loaded = library(name)
+    if loaded is None:
+        return None
+    found = getattr(loaded, name)
+    found.argtypes = argtypes
+    found.restype = ctypes.c_int
+    return found

@@ -15,15 +15,11 @@ before.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from functools import cache
 
 import torch
 
 from . import native
-
-logger = logging.getLogger(__name__)
 
 ROWATTN_ENV = "MARS_DEMO_ROWATTN"  # "0": SDPA row by row (for comparisons, or where the kernel misbehaves)
 # A call takes one more thread (up to torch's count) per this many visible (row, key, head) triples.
@@ -36,15 +32,8 @@ _I, _P = ctypes.c_int64, ctypes.c_void_p
 @cache
 def kernel():
     """The native row attention (a ctypes function), or None: switched off, no compiler, or the build failed."""
-    if os.environ.get(ROWATTN_ENV, "1") == "0":
-        return None
-    library = native.library("row_attention")
-    if library is None:
-        return None
-    function = library.row_attention
-    function.argtypes = [_P, _I, _I, _I] * 3 + [_P] + [_I] * 6 + [_P, _P, ctypes.c_float, _I]
-    function.restype = ctypes.c_int
-    return function
+    tensors, sizes, visible = [_P, _I, _I, _I] * 3 + [_P], [_I] * 6, [_P, _P]
+    return native.function("row_attention", ROWATTN_ENV, tensors + sizes + visible + [ctypes.c_float, _I])
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
