@@ -186,11 +186,12 @@ AttentionMaskInterface.register(ROW_EXACT_PREFILL, sdpa_mask)
 
 # -- int8dyn: int8 x int8 GEMMs with one activation scale per row --------------------------------
 # Each row is divided by its own max |x|, so it lies in [-1, 1] exactly (IEEE division is monotonic and
-# m / m = 1), and fbgemm quantises it with one fixed range for [-1, 1]: a row's integers, hence its
-# output, depend on nothing fed beside it. (fbgemm's dynamic linear would choose the range from the whole
-# input, and scanning it costs ~9 us a call; the fixed range is the one it chooses for [-1, 1].)
+# m / m = 1), and it is coded with one fixed range for [-1, 1]: a row's integers, hence its output, depend
+# on nothing fed beside it. The native kernel (int8gemm.py) does it all in one call and keeps that promise;
+# fbgemm's fixed-range linear (without a compiler) gives the same bits at one row but not always in wider
+# calls (BENCHMARKS.md, "Native int8 linear").
 DYN_WEIGHT_QMAX = 63  # 7-bit weights: AVX2's u8 x s8 pair sums cannot saturate int16 (2 * 255 * 63 < 32767)
-DYN_INPUT_SCALE, DYN_INPUT_ZERO = 2.0 / 255, 128  # uint8 codes of [-1, 1]
+DYN_INPUT_SCALE, DYN_INPUT_ZERO = int8gemm.INPUT_STEP, 128  # uint8 codes of [-1, 1]
 SMOOTHABLE = ("llama", "qwen2")  # RMSNorm as weight * x, attention and MLP as in these models
 # The overload itself: calling the packet re-resolves it (and checks for fake script objects) on every call.
 try:

@@ -1,4 +1,4 @@
-// Row-exact int8 x int8 linear for short passes on the CPU (mars_demo/engine/native.py).
+// Row-exact int8 x int8 linear on the CPU: int8dyn's linear (mars_demo/engine/int8gemm.py).
 //
 // y = x W^T + b with one activation scale per row and one weight scale per output channel, the
 // arithmetic of kernels.RowInt8Linear's fbgemm call bit for bit: each row is divided by its
@@ -11,7 +11,8 @@
 // What it saves over fbgemm at a few rows is not arithmetic: fbgemm's call packs its input for
 // every GEMM, and the row scaling around it is five more torch ops. Here one call does it all.
 //
-// Built at run time by native.py (g++ -O3 -march=native, no fast-math) and called through ctypes.
+// Built at run time by native.py (g++ -O3 -march=native -fopenmp -ffp-contract=off, no fast-math) and
+// called through ctypes.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,7 +27,6 @@
 
 namespace {
 
-// ---- the linear ----------------------------------------------------------------------------------
 struct Linear {
   const uint8_t* codes;  // (rows, in)
   const float* row_max;  // (rows)

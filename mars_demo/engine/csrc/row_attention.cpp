@@ -7,7 +7,8 @@
 // visible keys: scores are dot products over the head dimension (8-lane partial sums), the softmax
 // sums in 8 lanes by position, and the values accumulate key by key.
 //
-// Built at run time by rowattn.py (g++ -O3 -march=native, no fast-math) and called through ctypes.
+// Built at run time by native.py (g++ -O3 -march=native -fopenmp, no fast-math) and called through
+// ctypes by rowattn.py. Threads: torch's own OpenMP team.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
