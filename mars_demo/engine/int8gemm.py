@@ -2,9 +2,9 @@
 
 ``kernels.RowInt8Linear`` scales each row by its largest magnitude, codes it as uint8 and multiplies
 it by 7-bit weights. Through fbgemm that is six torch ops and one fbgemm call, which packs its
-input and starts its threads for every GEMM: 65-95 us a call at one row on a 2-core EPYC, 121 calls
+input for every GEMM: 65-95 us a call at one row on a 2-core EPYC, 121 calls
 a pass, for ~10-60 us of arithmetic. ``csrc/int8_linear.cpp`` does the same arithmetic in one call
-(13-36 us), its threads waiting in a pool between calls. Its integer sums are exact and its float
+(13-36 us), on torch's own OpenMP threads (engine/native.py). Its integer sums are exact and its float
 steps are fbgemm's (csrc comment), so its output is fbgemm's bit for bit where fbgemm is right;
 fbgemm itself is not always (it sometimes returns one wrong row of a 64-row call:
 tests/test_int8gemm.py and BENCHMARKS.md, "Native int8 linear").
@@ -44,7 +44,7 @@ class Weights:
         self.sums = (ints.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
         # fbgemm's factor: the float step times the float channel scale, one rounding
         self.scales = (torch.tensor(INPUT_STEP, dtype=torch.float32) * weight_scale.float()).contiguous()
-        self.bias = None if bias is None else bias.detach().float().clone()
+        self.bias = bias  # fp32 (RowInt8Linear's own buffer: read, never written)
         self.out_features, self.in_features = ints.shape
 
     def linear(self, function, rows: torch.Tensor) -> torch.Tensor:
