@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from mars_demo.engine import decoder
 from mars_demo.engine.loading import LoadedModel, ModelLoadError, resolve_meta
 
 CHAT_TEMPLATE = (
@@ -67,6 +68,15 @@ def make_lm(arch: str, block_size: int = 4, seed: int = 0) -> LoadedModel:
     model = make_model(arch, tokenizer, seed)
     meta = resolve_meta(tokenizer, {}, f"tiny-{arch}", block_size)
     return LoadedModel(model=model, tokenizer=tokenizer, meta=meta, name=f"tiny-{arch}")
+
+
+@pytest.fixture
+def torch_layers(monkeypatch):
+    """int8dyn models built in the test run the lean forward's torch layers: the native decoder is switched off."""
+    monkeypatch.setenv(decoder.DECODER_ENV, "0")
+    decoder.kernel.cache_clear()
+    yield
+    decoder.kernel.cache_clear()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

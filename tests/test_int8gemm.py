@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from mars_demo.engine import int8gemm, kernels, native, rowattn
+from mars_demo.engine import decoder, int8gemm, kernels, native, rowattn
 from mars_demo.engine.kernels import DYN_WEIGHT_QMAX, RowInt8Linear
 
 from conftest import make_lm
@@ -98,8 +98,12 @@ def test_bf16_input_is_taken_as_fp32():
 
 
 @needs_kernel
-def test_one_token_passes_give_the_same_logits_with_the_kernel_and_with_fbgemm(monkeypatch):
-    """Token by token on a cache every GEMM gets one row, where fbgemm is right: the same bits end to end."""
+def test_one_token_passes_give_the_same_logits_with_the_kernel_and_with_fbgemm(torch_layers, monkeypatch):
+    """Token by token on a cache every GEMM gets one row, where fbgemm is right: the same bits end to end.
+
+    Both models run the lean forward's torch layers around their GEMMs: the native decoder layers
+    (test_decoder.py), which only the kernel's weights can run, round the norms differently.
+    """
 
     def logits_token_by_token(lm) -> list[torch.Tensor]:
         kernels.convert(lm.model, "int8dyn")
@@ -117,12 +121,15 @@ def test_one_token_passes_give_the_same_logits_with_the_kernel_and_with_fbgemm(m
         theirs = logits_token_by_token(fb)
         assert all(getattr(m, "native", None) is None for m in fb.model.modules())
     finally:
-        monkeypatch.undo()
+        monkeypatch.delenv(int8gemm.INT8GEMM_ENV)
         int8gemm.kernel.cache_clear()
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
-@pytest.mark.parametrize("module, switch", [(int8gemm, int8gemm.INT8GEMM_ENV), (rowattn, rowattn.ROWATTN_ENV)])
+@pytest.mark.parametrize(
+    "module, switch",
+    [(int8gemm, int8gemm.INT8GEMM_ENV), (rowattn, rowattn.ROWATTN_ENV), (decoder, decoder.DECODER_ENV)],
+)
 def test_switched_off_or_without_a_compiler_there_is_no_kernel(module, switch, monkeypatch):
     module.kernel.cache_clear()
     native.library.cache_clear()
@@ -149,7 +156,7 @@ def test_without_the_kernel_int8dyn_runs_fbgemm(monkeypatch):
 
 
 @pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
-@pytest.mark.parametrize("name", ["int8_linear", "row_attention"])
+@pytest.mark.parametrize("name", ["int8_linear", "row_attention", "decoder"])
 def test_the_build_is_cached_by_source_compiler_and_cpu(name, tmp_path, monkeypatch):
     compiler = native.compiler()
     first = native.build(name, compiler, tmp_path)
@@ -164,14 +171,14 @@ def test_the_build_is_cached_by_source_compiler_and_cpu(name, tmp_path, monkeypa
 def test_a_failing_compiler_leaves_the_torch_paths(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # exits 1 whatever it is asked
-    caches = (native.library, rowattn.kernel, int8gemm.kernel)
+    caches = (native.library, rowattn.kernel, int8gemm.kernel, decoder.kernel)
     for cached in caches:
         cached.cache_clear()
     try:
         with caplog.at_level("WARNING"):
-            assert rowattn.kernel() is None and int8gemm.kernel() is None
-        assert "native row_attention kernel unavailable" in caplog.text
-        assert "native int8_linear kernel unavailable" in caplog.text
+            assert rowattn.kernel() is None and int8gemm.kernel() is None and decoder.kernel() is None
+        for name in ("row_attention", "int8_linear", "decoder"):
+            assert f"native {name} kernel unavailable" in caplog.text
         assert RowInt8Linear(*weights(8, 32)).packed is not None  # fbgemm's weights instead
     finally:
         monkeypatch.undo()

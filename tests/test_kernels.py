@@ -265,7 +265,8 @@ def test_a_fused_sibling_fed_another_input_computes_its_own_columns():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("path, kind", [("int8", Int8Linear), ("int8dyn", RowInt8Linear)])
-def test_fusing_siblings_changes_no_bit_of_the_logits(arch, path, kind):
+def test_fusing_siblings_changes_no_bit_of_the_logits(arch, path, kind, torch_layers):
+    # the torch layers on both sides: the native decoder layers run fused siblings only
     fused, alone = make_lm(arch), make_lm(arch)
     convert(fused.model, path)
     for module in list(alone.model.modules()):  # the same path with every linear on its own

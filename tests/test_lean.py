@@ -1,4 +1,8 @@
-"""The lean forward (lean.py): the transformers forward's logits, bit for bit, on every path and pass kind."""
+"""The lean forward (lean.py): the transformers forward's logits, bit for bit, on every path and pass kind.
+
+These tests run the lean forward's torch layers: int8dyn's native decoder layers (decoder.py), which
+round the norms and the SiLU differently, are switched off here and tested in test_decoder.py.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,11 @@ from mars_demo.engine.prompts import prompt_ids
 from mars_demo.research.bench import profile_passes
 
 from conftest import PROMPTS, make_lm
+
+
+@pytest.fixture(autouse=True)
+def on_torch_layers(torch_layers):
+    """Every test here (conftest.torch_layers)."""
 
 
 def on_path(arch: str, path: str):

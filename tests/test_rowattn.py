@@ -122,8 +122,11 @@ def test_supports_only_fp32_on_the_cpu_with_whole_key_groups():
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_int8_paths_decode_the_same_with_and_without_the_kernel_up_to_rounding(arch, monkeypatch):
-    """The kernel replaces SDPA row by row: the same logits up to float rounding, and it is the one called."""
+def test_the_int8_paths_decode_the_same_with_and_without_the_kernel_up_to_rounding(arch, monkeypatch, torch_layers):
+    """The kernel replaces SDPA row by row: the same logits up to float rounding, and it is the one called.
+
+    On the torch layers: the native decoder layers call the attention from C (test_decoder.py).
+    """
     lm = make_lm(arch)
     kernels.convert(lm.model, "int8dyn")
     ids = torch.tensor([lm.tokenizer(PROMPTS[0]).input_ids])

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
-KERNELS_VERSION = 8
+KERNELS_VERSION = 9
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
@@ -58,7 +58,7 @@ ROW_EXACT = lean.ROW_EXACT[0]
 # prompt and masks, AR's the prompt alone, and SDPA over a block of rows rounds by block size
 # (~1e-6 in fp32): bf16 activations (int8, bf16) absorb it in practice, int8dyn's per-row scales
 # can turn it into a flipped token (BENCHMARKS.md, issue #15). Longer prompts attend in one call.
-ROW_EXACT_PREFILL_ROWS = 2048
+ROW_EXACT_PREFILL_ROWS = lean.ROW_EXACT_PREFILL_ROWS
 ROW_EXACT_PREFILL = lean.ROW_EXACT[1]
 TABLE_FILE = "compute-paths.json"
 CALIBRATION_TEXT = (

@@ -33,6 +33,9 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import rowattn
+from .decoder import NativeLayers
+
 LEAN_ENV = "MARS_DEMO_LEAN"  # "0": decode with transformers' forward (for comparisons)
 ARCHITECTURES = ("llama", "qwen2")  # RMSNorm, RoPE, q/k/v/o attention and a gated SiLU MLP
 ATTENTION = ("sdpa", "eager", "mars_row_exact", "mars_row_exact_prefill")
@@ -43,6 +46,9 @@ ARGUMENTS = {"input_ids", "return_dict", *READ}
 # The row-exact attentions (kernels.py) and the rows they always take row by row (kernels.ROW_EXACT_MAX_ROWS)
 ROW_EXACT = ("mars_row_exact", "mars_row_exact_prefill")
 ROW_EXACT_ROWS = 16
+# int8dyn's attention (the second name) takes prefills up to this many rows row by row too (kernels.py)
+ROW_EXACT_PREFILL_ROWS = 2048
+ROW_EXACT_MAX = dict(zip(ROW_EXACT, (ROW_EXACT_ROWS, ROW_EXACT_PREFILL_ROWS)))
 BUFFER_SLACK = 256  # columns a key / value buffer is allocated beyond what it holds
 
 
@@ -143,40 +149,60 @@ def _append(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tu
     cropped off are overwritten by the next append; a cache whose tensors were replaced (a batch
     reorder, transformers' own update) is copied into a new buffer first.
     """
+    start, end, buffers = room(layer, keys, keys.shape[-2])
+    buffers[0][:, :, start:end].copy_(keys)
+    buffers[1][:, :, start:end].copy_(values)
+    return hold(layer, buffers, end)
+
+
+def room(layer: DynamicLayer, like: torch.Tensor, columns: int) -> tuple[int, int, tuple[torch.Tensor, torch.Tensor]]:
+    """(start, end, (key buffer, value buffer)): the layer's cached columns in buffers with room for ``columns`` more.
+
+    ``like``: (batch, kv heads, any, head dim), the dtype and device of the keys to come. The new
+    columns go at start:end; ``hold`` then makes the layer hold them.
+    """
     if not layer.is_initialized:
-        layer.lazy_initialization(keys, values)
+        layer.lazy_initialization(like, like)
     held_k, held_v = layer.keys, layer.values
     buffers = getattr(layer, "_lean_buffers", None)
     start = held_k.shape[-2] if held_k.dim() == 4 else 0  # lazy_initialization holds empty 1-D tensors
-    end = start + keys.shape[-2]
+    end = start + columns
     if (
         buffers is None or held_k.dim() != 4 or held_k.data_ptr() != buffers[0].data_ptr()
-        or held_v.data_ptr() != buffers[1].data_ptr() or held_k.shape[:2] != keys.shape[:2]
+        or held_v.data_ptr() != buffers[1].data_ptr() or held_k.shape[:2] != like.shape[:2]
         or held_k.stride() != buffers[0].stride() or end > buffers[0].shape[-2]
     ):
-        room = end + max(BUFFER_SLACK, end // 2)
-        buffers = tuple(
-            new.new_empty((*new.shape[:2], room, new.shape[-1])) for new in (keys, values)
-        )
+        size = end + max(BUFFER_SLACK, end // 2)
+        buffers = tuple(like.new_empty((*like.shape[:2], size, like.shape[-1])) for _ in range(2))
         if start:
             buffers[0][:, :, :start].copy_(held_k)
             buffers[1][:, :, :start].copy_(held_v)
         layer._lean_buffers = buffers
-    buffers[0][:, :, start:end].copy_(keys)
-    buffers[1][:, :, start:end].copy_(values)
+    return start, end, buffers
+
+
+def hold(layer: DynamicLayer, buffers: tuple[torch.Tensor, ...], end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer now holds the buffers' first ``end`` columns (views)."""
     layer.keys, layer.values = buffers[0][:, :, :end], buffers[1][:, :, :end]
     return layer.keys, layer.values
+
+
+def _plain_layers(cache, layers: int) -> list | None:
+    """The layers of a plain DynamicCache (one DynamicLayer per decoder layer, not offloaded), else None."""
+    if (
+        type(cache) is DynamicCache and not getattr(cache, "offloading", False) and len(cache.layers) == layers
+        and all(type(layer) is DynamicLayer for layer in cache.layers)
+    ):
+        return cache.layers
+    return None
 
 
 def _store(cache, layers: int):
     """How a pass puts its keys and values in ``cache``: ``_append`` on a plain DynamicCache, else its update."""
     if cache is None:
         return None
-    if (
-        type(cache) is DynamicCache and not getattr(cache, "offloading", False) and len(cache.layers) == layers
-        and all(type(layer) is DynamicLayer for layer in cache.layers)
-    ):
-        held = cache.layers
+    held = _plain_layers(cache, layers)
+    if held is not None:
         return lambda i, keys, values: _append(held[i], keys, values)
     return lambda i, keys, values: cache.update(keys, values, i)
 
@@ -197,6 +223,8 @@ class LeanForward:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.layers = [_layer(layer, i) for i, layer in enumerate(inner.layers)]
+        # all layers in one native call where they are int8dyn's on the native kernels (decoder.py)
+        self.native = NativeLayers.build(self.layers)
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.head = _gemm(model.lm_head)
 
@@ -222,7 +250,8 @@ class LeanForward:
         if position_ids is None:
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(x.shape[1], device=x.device) + past).unsqueeze(0)
-        if self._plainly_causal(x, attention_mask, past_key_values):
+        native = self._native_layers(x, past_key_values)
+        if self._plainly_causal(x, attention_mask, past_key_values, native is not None):
             mask = None  # the row-exact attention's own causal rule: no mask to build and read every pass
         else:
             mask = create_causal_mask(
@@ -231,6 +260,23 @@ class LeanForward:
             )
         cos, sin = self.rotary(x, position_ids=position_ids)  # (batch, n, head_dim)
         half = cos.shape[-1] // 2
+        if native is not None:
+            x = self._native_pass(native, x, cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1), mask)
+        else:
+            x = self._layers(x, cos, sin, half, mask, past_key_values)
+        x = _norm(x, self.norm, self.norm_eps)
+        if clock is not None:
+            clock("forward_body", False)
+            clock("lm_head", True)
+        keep = logits_to_keep or 0
+        logits = self.head(x[:, slice(-keep, None) if isinstance(keep, int) else keep, :])
+        if clock is not None:
+            clock("lm_head", False)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+
+    def _layers(self, x, cos, sin, half, mask, past_key_values):
+        """The decoder layers through torch ops around the model's own GEMMs and attention."""
+        config = self.model.config
         cos, sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
         if attend is None:  # eager: transformers' own function, which the interface does not list
@@ -244,17 +290,40 @@ class LeanForward:
             else:
                 gate, up = (gemm(h) for gemm in layer.gate_and_up)
             x = x + layer.down(F.silu(gate) * up)
-        x = _norm(x, self.norm, self.norm_eps)
-        if clock is not None:
-            clock("forward_body", False)
-            clock("lm_head", True)
-        keep = logits_to_keep or 0
-        logits = self.head(x[:, slice(-keep, None) if isinstance(keep, int) else keep, :])
-        if clock is not None:
-            clock("lm_head", False)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+        return x
 
-    def _plainly_causal(self, x: torch.Tensor, attention_mask, past_key_values) -> bool:
+    def _native_layers(self, x: torch.Tensor, past_key_values) -> list | None:
+        """The cache's layers ([] without a cache) when this pass goes through the native layers, else None.
+
+        Every pass the row-exact attention takes row by row does, so rows that must agree bit for bit
+        (a prompt's rows with and without masks after them, a wide pass's and a one-token pass's) are
+        always computed by the same code.
+        """
+        if self.native is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        if x.shape[1] > ROW_EXACT_MAX.get(self.model.config._attn_implementation, 0):
+            return None
+        if past_key_values is None:
+            return []
+        return _plain_layers(past_key_values, len(self.layers))
+
+    def _native_pass(self, cache_layers: list, x: torch.Tensor, cos, sin, mask) -> torch.Tensor:
+        batch, rows = x.shape[:2]
+        like = x.new_empty(batch, self.native.kv_heads, 0, self.native.dim)
+        if cache_layers:
+            placed = [room(layer, like, rows) for layer in cache_layers]
+            start, buffers = placed[0][0], [b for _, _, b in placed]
+        else:  # no cache: this pass's keys and values only
+            start = 0
+            buffers = [(like.new_empty(batch, like.shape[1], rows, like.shape[-1]),
+                        like.new_empty(batch, like.shape[1], rows, like.shape[-1])) for _ in self.layers]
+        visible = None if mask is None else rowattn.Visible(mask, batch, rows, start + rows)
+        x = self.native.run(x, cos, sin, start, buffers, visible)
+        for layer, pair in zip(cache_layers, buffers):
+            hold(layer, pair, start + rows)
+        return x
+
+    def _plainly_causal(self, x: torch.Tensor, attention_mask, past_key_values, native: bool = False) -> bool:
         """Whether this pass's mask would say only "each row sees the cache and the rows up to it".
 
         One sequence, no padding mask, a cache that holds exactly the tokens before this pass, and a
@@ -262,6 +331,8 @@ class LeanForward:
         as exactly this rule, so building the 4-D mask (and the ranges the kernel would read from it,
         ~170 us a pass) is skipped. Everything else gets transformers' mask.
         """
+        if native:  # the native layers attend row by row however many rows there are
+            return attention_mask is None and x.shape[0] == 1
         return (
             attention_mask is None and x.shape[0] == 1 and x.shape[1] <= ROW_EXACT_ROWS
             and self.model.config._attn_implementation in ROW_EXACT

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 SOURCES = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=c++17")
 # int8_linear: a * b + c stays two roundings, as torch's ops round it (g++ fuses them otherwise)
-OWN_FLAGS = {"int8_linear": ("-ffp-contract=off",)}
+OWN_FLAGS = {"int8_linear": ("-ffp-contract=off",), "decoder": ("-ffp-contract=off",)}
 TUNE = ("-march=native",)  # dropped where the compiler refuses it
 # OpenMP for the kernels' threads. The library asks for libgomp.so.1, and the dynamic linker hands it
 # the one torch has loaded (same soname): the kernels share torch's threads instead of competing
@@ -46,7 +47,7 @@ def build(name: str, compiler: str, where: Path) -> Path:
     source = SOURCES / f"{name}.cpp"
     own = OWN_FLAGS.get(name, ())
     version = subprocess.run([compiler, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    key = [source.read_text(), version, cpu_model(), cpu_features(), platform.machine(), *FLAGS, *own, *TUNE, *OPENMP]
+    key = [*_texts(source), version, cpu_model(), cpu_features(), platform.machine(), *FLAGS, *own, *TUNE, *OPENMP]
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
     target = where / f"{name}-{digest}.so"
     if target.exists():
@@ -63,6 +64,13 @@ def build(name: str, compiler: str, where: Path) -> Path:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
         os.replace(built, target)  # atomic: a process beside this one sees the whole file or none
     return target
+
+
+def _texts(source: Path) -> list[str]:
+    """The source's text and those of the csrc files it includes (decoder.cpp includes the other kernels)."""
+    text = source.read_text()
+    included = re.findall(r'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return [text, *(part for name in included for part in _texts(SOURCES / name))]
 
 
 @cache

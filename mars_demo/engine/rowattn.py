@@ -68,6 +68,12 @@ class Visible:
         self.work = int((ends[:, 2] - starts[:, 2]).sum())  # visible (row, key) pairs
 
 
+def threads(work: int, heads: int) -> int:
+    """How many of torch's threads a call takes for ``work`` visible (row, key) pairs over ``heads`` heads."""
+    most = torch.get_num_threads()
+    return max(1, min(most, 1 + work * heads // THREADED_WORK if THREADED_WORK else most))
+
+
 def attend(
     function, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
     visible: Visible | None = None,
@@ -81,13 +87,11 @@ def attend(
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out = query.new_empty(batch, rows, heads, dim)
     work = visible.work if visible is not None else batch * (rows * (keys - rows) + rows * (rows + 1) // 2)
-    most = torch.get_num_threads()
-    threads = max(1, min(most, 1 + work * heads // THREADED_WORK if THREADED_WORK else most))
     failed = function(
         query.data_ptr(), *query.stride()[:3], key.data_ptr(), *key.stride()[:3], value.data_ptr(),
         *value.stride()[:3], out.data_ptr(), batch, heads, kv_heads, rows, keys, dim,
         None if visible is None else visible.ranges.data_ptr(), None if visible is None else visible.offsets.data_ptr(),
-        dim**-0.5 if scale is None else scale, threads,
+        dim**-0.5 if scale is None else scale, threads(work, heads),
     )
     if failed:
         raise MemoryError("row-exact attention: out of memory for its score buffer")

@@ -137,22 +137,9 @@ void share_of_columns(const Linear& L, int64_t share, int64_t shares) {
   columns(L, from, to < L.out ? to : L.out);
 }
 
-}  // namespace
-
-extern "C" {
-
-// y (rows, out) = the row-exact int8 linear of x (rows, in; rows `x_stride` floats apart).
-// inverse: 1 / the input step (float), as fbgemm quantizes with. Returns 0, or 1 when out of memory.
-int int8_linear(const float* x, int64_t rows, int64_t in, int64_t x_stride, const int8_t* weight,
-                const int32_t* weight_sums, const float* scale, const float* bias, int64_t out, float* y,
-                float inverse, int64_t threads) {
-  uint8_t* codes = (uint8_t*)malloc((size_t)(rows * in + 1));
-  float* row_max = (float*)malloc(sizeof(float) * (size_t)(rows + 1));
-  if (!codes || !row_max) {
-    free(codes);
-    free(row_max);
-    return 1;
-  }
+// Each row divided by its largest magnitude and coded as uint8 around 128 (fbgemm's arithmetic).
+void code_rows(const float* x, int64_t rows, int64_t in, int64_t x_stride, float inverse, uint8_t* codes,
+               float* row_max) {
   for (int64_t r = 0; r < rows; r++) {
     const float* xr = x + r * x_stride;
     float m = 0.0f;
@@ -169,8 +156,11 @@ int int8_linear(const float* x, int64_t rows, int64_t in, int64_t x_stride, cons
       cr[k] = (uint8_t)q;
     }
   }
-  Linear L{codes, row_max, rows, in, out, weight, weight_sums, scale, bias, y, 16};
-  const int64_t blocks = (out + L.block - 1) / L.block;
+}
+
+// L's sums and float ends, its column blocks split over up to `threads` of torch's OpenMP threads.
+void run_linear(const Linear& L, int64_t threads) {
+  const int64_t blocks = (L.out + L.block - 1) / L.block;
   if (threads > blocks) threads = blocks;
 #if defined(_OPENMP)
   if (threads > 1) {
@@ -178,9 +168,31 @@ int int8_linear(const float* x, int64_t rows, int64_t in, int64_t x_stride, cons
     // competes with them for the cores
 #pragma omp parallel num_threads(threads)
     share_of_columns(L, omp_get_thread_num(), omp_get_num_threads());
-  } else
+    return;
+  }
 #endif
-    columns(L, 0, out);
+  columns(L, 0, L.out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// y (rows, out) = the row-exact int8 linear of x (rows, in; rows `x_stride` floats apart).
+// inverse: 1 / the input step (float), as fbgemm quantizes with. Returns 0, or 1 when out of memory.
+int int8_linear(const float* x, int64_t rows, int64_t in, int64_t x_stride, const int8_t* weight,
+                const int32_t* weight_sums, const float* scale, const float* bias, int64_t out, float* y,
+                float inverse, int64_t threads) {
+  uint8_t* codes = (uint8_t*)malloc((size_t)(rows * in + 1));
+  float* row_max = (float*)malloc(sizeof(float) * (size_t)(rows + 1));
+  if (!codes || !row_max) {
+    free(codes);
+    free(row_max);
+    return 1;
+  }
+  code_rows(x, rows, in, x_stride, inverse, codes, row_max);
+  Linear L{codes, row_max, rows, in, out, weight, weight_sums, scale, bias, y, 16};
+  run_linear(L, threads);
   free(codes);
   free(row_max);
   return 0;

@@ -204,6 +204,24 @@ static int run_units(const Call* c, int64_t first, int64_t last) {
   return 0;
 }
 
+// All units of c, split evenly by count over up to `threads` of torch's OpenMP threads.
+static int attend_all(const Call* c, int64_t threads) {
+  const int64_t total = c->batch * c->rows * c->heads;
+  if (threads > total) threads = total;
+  int failed = 0;
+#if defined(_OPENMP)
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+      failed |= run_units(c, total * t / n, total * (t + 1) / n);
+    }
+    return failed;
+  }
+#endif
+  return run_units(c, 0, total);
+}
+
 extern "C" int row_attention(
     const float* q, int64_t qb, int64_t qh, int64_t qr, const float* k, int64_t kb, int64_t kh, int64_t ks,
     const float* v, int64_t vb, int64_t vh, int64_t vs, float* out, int64_t batch, int64_t heads,
@@ -211,19 +229,5 @@ extern "C" int row_attention(
     float scale, int64_t threads) {
   Call c = {q, qb, qh, qr, k, kb, kh, ks, v, vb, vh, vs, out, batch, heads, kv_heads, rows, keys, dim,
             ranges, offsets, scale};
-  const int64_t total = batch * rows * heads;
-  if (threads > total) threads = total;
-  int failed = 0;
-#if defined(_OPENMP)
-  if (threads > 1) {
-    // torch's own OpenMP threads (native.py): units split evenly by count
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      failed |= run_units(&c, total * t / n, total * (t + 1) / n);
-    }
-    return failed;
-  }
-#endif
-  return run_units(&c, 0, total);
+  return attend_all(&c, threads);
 }
