@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -50,7 +52,7 @@ def fbgemm_linear(weight, bias, monkeypatch) -> RowInt8Linear:
 
 
 @needs_kernel
-@pytest.mark.parametrize("out, inp", [(80, 96), (37, 100), (960, 576), (7, 1536)])  # tails in both dimensions
+@pytest.mark.parametrize("out, inp", [(80, 96), (37, 101), (960, 576), (7, 1536)])  # tails in both dimensions
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_returns_the_exact_integer_arithmetic_for_every_row_count(out, inp, bias):
     weight, b = weights(out, inp, bias=bias)
@@ -59,6 +61,19 @@ def test_the_kernel_returns_the_exact_integer_arithmetic_for_every_row_count(out
     for n in (1, 2, 3, 5, 8, 17, 70):
         x = awkward_rows(n, inp, seed=n)
         assert torch.equal(linear(x), reference(weight, b, x)), n
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
+def test_the_portable_loop_without_avx2_returns_the_same_arithmetic(tmp_path, monkeypatch):
+    """The scalar loop that CPUs without AVX2 run, built here with AVX2 switched off, reads the same packed weights."""
+    monkeypatch.setattr(native, "TUNE", ("-mno-avx2",))
+    function = ctypes.CDLL(str(native.build("int8_linear", native.compiler(), tmp_path))).int8_linear
+    function.argtypes, function.restype = int8gemm.kernel().argtypes, ctypes.c_int
+    weight, b = weights(37, 101)
+    kernel_weights = RowInt8Linear(weight, b).weights
+    for n in (1, 5):
+        x = awkward_rows(n, 101, seed=n)
+        assert torch.equal(kernel_weights.linear(function, x), reference(weight, b, x)), n
 
 
 @needs_kernel

@@ -67,7 +67,7 @@ def _int8_weights(gemm) -> int8gemm.Weights | None:
 def _struct(weights: int8gemm.Weights) -> _Int8Weights:
     bias = weights.bias
     return _Int8Weights(
-        weights.ints.data_ptr(), weights.sums.data_ptr(), weights.scales.data_ptr(),
+        weights.packed.data_ptr(), weights.sums.data_ptr(), weights.scales.data_ptr(),
         None if bias is None else bias.data_ptr(), weights.in_features, weights.out_features,
     )
 

@@ -35,11 +35,27 @@ def kernel():
     return native.function("int8_linear", INT8GEMM_ENV, [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_float, _I])
 
 
+COLUMNS, DEPTH, TILE = 8, 4, 16  # csrc/int8_linear.cpp's packing: blocks of 8 columns by 4 inputs, tiles of 16
+
+
+def pack(ints: torch.Tensor) -> torch.Tensor:
+    """int8 (out, in) -> the kernel's layout: [block of 8 columns][in / 4][8 columns][4 inputs], zero-padded.
+
+    Columns are padded to a multiple of 16 and inputs to a multiple of 4 with zero weights, which add
+    nothing to any sum.
+    """
+    out, inp = ints.shape
+    padded = ints.new_zeros(-(-out // TILE) * TILE, -(-inp // DEPTH) * DEPTH)
+    padded[:out, :inp] = ints
+    blocks = padded.view(-1, COLUMNS, padded.shape[1] // DEPTH, DEPTH)  # [block][column][step][input]
+    return blocks.permute(0, 2, 1, 3).contiguous().view(-1)
+
+
 class Weights:
-    """A linear's weights as the kernel reads them: int8 (out, in), 128 x each channel's sum, float scales."""
+    """A linear's weights as the kernel reads them: int8 packed (``pack``), 128 x each channel's sum, float scales."""
 
     def __init__(self, ints: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.ints = ints.contiguous()
+        self.packed = pack(ints)
         # the codes are stored as code + 128: their sums carry 128 x the weight sums, taken back here
         self.sums = (ints.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
         # fbgemm's factor: the float step times the float channel scale, one rounding
@@ -52,7 +68,7 @@ class Weights:
         n = rows.shape[0]
         y = rows.new_empty(n, self.out_features)
         failed = function(
-            rows.data_ptr(), n, self.in_features, rows.stride(0), self.ints.data_ptr(), self.sums.data_ptr(),
+            rows.data_ptr(), n, self.in_features, rows.stride(0), self.packed.data_ptr(), self.sums.data_ptr(),
             self.scales.data_ptr(), None if self.bias is None else self.bias.data_ptr(), self.out_features,
             y.data_ptr(), INVERSE_STEP, torch.get_num_threads(),
         )

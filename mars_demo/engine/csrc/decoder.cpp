@@ -24,7 +24,7 @@
 namespace {
 
 struct Int8Weights {  // one linear as int8gemm.Weights holds it
-  const int8_t* weight;
+  const int8_t* weight;  // packed (int8_linear.cpp)
   const int32_t* sums;
   const float* scale;
   const float* bias;  // or null
@@ -79,7 +79,7 @@ void rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, floa
 void linear(const Int8Weights& w, const float* x, int64_t rows, float* y, uint8_t* codes, float* row_max,
             const Pass& p) {
   code_rows(x, rows, w.in, w.in, p.inverse, codes, row_max);
-  Linear L{codes, row_max, rows, w.in, w.out, w.weight, w.sums, w.scale, w.bias, y, 16};
+  Linear L{codes, row_max, rows, w.in, w.out, w.weight, w.sums, w.scale, w.bias, y};
   run_linear(L, p.threads);
 }
 
@@ -147,7 +147,7 @@ int run(const Pass& p, const Layer* layers, int64_t n_layers) {
   float* wide = (float*)malloc(sizeof(float) * rows * widest);
   float* act = (float*)malloc(sizeof(float) * rows * widest_in);
   float* y = (float*)malloc(sizeof(float) * rows * H);
-  uint8_t* codes = (uint8_t*)malloc(rows * widest_in + 1);
+  uint8_t* codes = (uint8_t*)malloc(rows * padded(widest_in, DEPTH) + 1);
   float* row_max = (float*)malloc(sizeof(float) * (rows + 1));
   int failed = !h || !wide || !act || !y || !codes || !row_max;
   for (int64_t l = 0; l < n_layers && !failed; l++) {

@@ -11,6 +11,13 @@
 // What it saves over fbgemm at a few rows is not arithmetic: fbgemm's call packs its input for
 // every GEMM, and the row scaling around it is five more torch ops. Here one call does it all.
 //
+// The weights are packed once (int8gemm.pack): blocks of 8 output columns, each block's bytes in
+// steps of 4 inputs, [block][in / 4][8 columns][4 inputs], columns padded to 16 and inputs to 4
+// with zeros. One 32-byte load is then 8 columns x 4 inputs, multiplied by a row's 4 codes
+// broadcast to every lane (vpmaddubsw, then vpmaddwd by ones): the 8 lanes of the accumulator are
+// 8 columns' sums, with no horizontal sum at the end, and a tile of 16 columns streams two
+// contiguous blocks while up to 4 rows reuse every load.
+//
 // Built at run time by native.py (g++ -O3 -march=native -fopenmp -ffp-contract=off, no fast-math) and
 // called through ctypes.
 #include <math.h>
@@ -27,80 +34,23 @@
 
 namespace {
 
+constexpr int64_t COLS = 8;    // columns in a packed block
+constexpr int64_t DEPTH = 4;   // inputs a block holds together for each column
+constexpr int64_t TILE = 16;   // columns a tile computes (two blocks): the unit of work handed out
+
+inline int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
 struct Linear {
-  const uint8_t* codes;  // (rows, in)
+  const uint8_t* codes;  // (rows, depth): each row's codes, then zeros up to depth
   const float* row_max;  // (rows)
   int64_t rows, in, out;
-  const int8_t* weight;  // (out, in)
+  const int8_t* packed;  // (padded(out, TILE) / COLS, depth / DEPTH, COLS, DEPTH): see the top
   const int32_t* weight_sums;  // (out): 128 * sum of the channel's weights
   const float* scale;  // (out): input step * weight scale
   const float* bias;  // (out) or null
   float* y;  // (rows, out)
-  int64_t block;  // columns per unit of work handed out
+  int64_t depth() const { return padded(in, DEPTH); }
 };
-
-inline int32_t dot_tail(const uint8_t* a, const int8_t* w, int64_t from, int64_t to) {
-  int32_t s = 0;
-  for (int64_t k = from; k < to; k++) s += (int32_t)a[k] * (int32_t)w[k];
-  return s;
-}
-
-#if defined(__AVX2__)
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 8
-#endif
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
-// sums[r][c] = codes of rows r0, r0 + 1 (R of them) . weights of columns c0 .. c0 + 3
-template <int R>
-inline void tile(const Linear& L, int64_t r0, int64_t c0, int32_t sums[2][4]) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[R][4];
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_si256();
-  const int64_t in = L.in, body = in & ~(int64_t)31;
-  const int8_t* w = L.weight + c0 * in;
-  const uint8_t* a = L.codes + r0 * in;
-  const int8_t* ahead = w + PREFETCH_BLOCKS * 4 * in;  // the weights of a later block of columns
-  const int8_t* end = L.weight + L.out * in;
-  for (int64_t k = 0; k < body; k += 32) {
-    if (ahead + 4 * k + 128 <= end) {  // 4 columns' 32 bytes a step: the later block's 128 bytes
-      _mm_prefetch((const char*)(ahead + 4 * k), _MM_HINT_T0);
-      _mm_prefetch((const char*)(ahead + 4 * k + 64), _MM_HINT_T0);
-    }
-    __m256i wv[4];
-    for (int c = 0; c < 4; c++) wv[c] = _mm256_loadu_si256((const __m256i*)(w + c * in + k));
-    for (int r = 0; r < R; r++) {
-      __m256i av = _mm256_loadu_si256((const __m256i*)(a + r * in + k));
-      for (int c = 0; c < 4; c++)
-        acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(av, wv[c]), ones));
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < 4; c++) sums[r][c] = hsum(acc[r][c]) + dot_tail(a + r * in, w + c * in, body, in);
-}
-
-inline int32_t column(const Linear& L, int64_t r, int64_t c) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc = _mm256_setzero_si256();
-  const int64_t in = L.in, body = in & ~(int64_t)31;
-  const int8_t* w = L.weight + c * in;
-  const uint8_t* a = L.codes + r * in;
-  for (int64_t k = 0; k < body; k += 32)
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(
-        _mm256_loadu_si256((const __m256i*)(a + k)), _mm256_loadu_si256((const __m256i*)(w + k))), ones));
-  return hsum(acc) + dot_tail(a, w, body, in);
-}
-#else
-inline int32_t column(const Linear& L, int64_t r, int64_t c) {
-  return dot_tail(L.codes + r * L.in, L.weight + c * L.in, 0, L.in);
-}
-#endif
 
 inline void finish(const Linear& L, int64_t r, int64_t c, int32_t sum) {
   float v = (float)(sum - L.weight_sums[c]) * L.scale[c];
@@ -109,37 +59,92 @@ inline void finish(const Linear& L, int64_t r, int64_t c, int32_t sum) {
   L.y[r * L.out + c] = v;
 }
 
-void columns(const Linear& L, int64_t c_from, int64_t c_to) {
-  int64_t c = c_from;
 #if defined(__AVX2__)
-  int32_t sums[2][4];
-  for (; c + 4 <= c_to; c += 4) {
-    int64_t r = 0;
-    for (; r + 2 <= L.rows; r += 2) {
-      tile<2>(L, r, c, sums);
-      for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) finish(L, r + i, c + j, sums[i][j]);
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 1
+#endif
+// Row r0 + r's accumulators, each 8 columns' sums (a tile's two blocks)
+struct Pair {
+  __m256i first, second;
+};
+
+// rows r0 .. r0 + R - 1 times the 16 columns of tile t. The accumulators are named variables, not
+// an array: g++ keeps an array of them in memory, and every step then waits for its own store.
+template <int R>
+inline void tile(const Linear& L, int64_t r0, int64_t t) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i zero = _mm256_setzero_si256();
+  Pair p0{zero, zero}, p1{zero, zero}, p2{zero, zero}, p3{zero, zero};
+  const int64_t depth = L.depth(), steps = depth / DEPTH;
+  const int8_t* w0 = L.packed + t * TILE * depth;
+  const int8_t* w1 = w0 + COLS * depth;
+  const int8_t* ahead = w0 + PREFETCH_TILES * TILE * depth;  // the same bytes of a later tile
+  const bool fetch = ahead + TILE * depth <= L.packed + padded(L.out, TILE) * depth;
+  const uint8_t* a = L.codes + r0 * depth;
+  for (int64_t s = 0; s < steps; s++) {
+    if (fetch && (s & 1) == 0) {  // one 64-byte line of each block every two steps
+      _mm_prefetch((const char*)(ahead + s * 32), _MM_HINT_T0);
+      _mm_prefetch((const char*)(ahead + COLS * depth + s * 32), _MM_HINT_T0);
     }
-    if (r < L.rows) {
-      tile<1>(L, r, c, sums);
-      for (int j = 0; j < 4; j++) finish(L, r, c + j, sums[0][j]);
+    const __m256i b0 = _mm256_loadu_si256((const __m256i*)(w0 + s * 32));
+    const __m256i b1 = _mm256_loadu_si256((const __m256i*)(w1 + s * 32));
+    auto step = [&](int r, Pair& p) {
+      int32_t four;  // the row's 4 codes of this step, in every lane
+      memcpy(&four, a + r * depth + s * DEPTH, sizeof(four));
+      const __m256i av = _mm256_set1_epi32(four);
+      p.first = _mm256_add_epi32(p.first, _mm256_madd_epi16(_mm256_maddubs_epi16(av, b0), ones));
+      p.second = _mm256_add_epi32(p.second, _mm256_madd_epi16(_mm256_maddubs_epi16(av, b1), ones));
+    };
+    step(0, p0);
+    if constexpr (R > 1) step(1, p1);
+    if constexpr (R > 2) step(2, p2);
+    if constexpr (R > 3) step(3, p3);
+  }
+  const int64_t c0 = t * TILE, n = L.out - c0 < TILE ? L.out - c0 : TILE;
+  auto store = [&](int r, const Pair& p) {
+    int32_t sums[TILE];
+    _mm256_storeu_si256((__m256i*)sums, p.first);
+    _mm256_storeu_si256((__m256i*)(sums + COLS), p.second);
+    for (int64_t j = 0; j < n; j++) finish(L, r0 + r, c0 + j, sums[j]);
+  };
+  store(0, p0);
+  if constexpr (R > 1) store(1, p1);
+  if constexpr (R > 2) store(2, p2);
+  if constexpr (R > 3) store(3, p3);
+}
+#endif
+
+// tiles t_from .. t_to - 1, every row
+void tiles(const Linear& L, int64_t t_from, int64_t t_to) {
+#if defined(__AVX2__)
+  for (int64_t t = t_from; t < t_to; t++) {
+    int64_t r = 0;
+    for (; r + 4 <= L.rows; r += 4) tile<4>(L, r, t);
+    switch (L.rows - r) {
+      case 3: tile<3>(L, r, t); break;
+      case 2: tile<2>(L, r, t); break;
+      case 1: tile<1>(L, r, t); break;
+    }
+  }
+#else
+  const int64_t depth = L.depth();
+  for (int64_t c = t_from * TILE; c < t_to * TILE && c < L.out; c++) {
+    const int8_t* w = L.packed + (c / COLS) * COLS * depth + (c % COLS) * DEPTH;
+    for (int64_t r = 0; r < L.rows; r++) {
+      const uint8_t* a = L.codes + r * depth;
+      int32_t s = 0;
+      for (int64_t k = 0; k < L.in; k++) s += (int32_t)a[k] * (int32_t)w[(k / DEPTH) * COLS * DEPTH + k % DEPTH];
+      finish(L, r, c, s);
     }
   }
 #endif
-  for (; c < c_to; c++)
-    for (int64_t r = 0; r < L.rows; r++) finish(L, r, c, column(L, r, c));
 }
 
-void share_of_columns(const Linear& L, int64_t share, int64_t shares) {
-  // whole blocks of columns, split evenly by count: which thread computes a column changes no bits
-  const int64_t blocks = (L.out + L.block - 1) / L.block;
-  const int64_t from = blocks * share / shares * L.block, to = blocks * (share + 1) / shares * L.block;
-  columns(L, from, to < L.out ? to : L.out);
-}
-
-// Each row divided by its largest magnitude and coded as uint8 around 128 (fbgemm's arithmetic).
+// Each row divided by its largest magnitude and coded as uint8 around 128 (fbgemm's arithmetic),
+// then zeros up to the packed depth.
 void code_rows(const float* x, int64_t rows, int64_t in, int64_t x_stride, float inverse, uint8_t* codes,
                float* row_max) {
+  const int64_t depth = padded(in, DEPTH);
   for (int64_t r = 0; r < rows; r++) {
     const float* xr = x + r * x_stride;
     float m = 0.0f;
@@ -149,41 +154,47 @@ void code_rows(const float* x, int64_t rows, int64_t in, int64_t x_stride, float
     }
     m = m < 1e-30f ? 1e-30f : m;
     row_max[r] = m;
-    uint8_t* cr = codes + r * in;
+    uint8_t* cr = codes + r * depth;
     for (int64_t k = 0; k < in; k++) {
       float q = nearbyintf((xr[k] / m) * inverse) + 128.0f;
       q = q < 0.0f ? 0.0f : (q > 255.0f ? 255.0f : q);
       cr[k] = (uint8_t)q;
     }
+    for (int64_t k = in; k < depth; k++) cr[k] = 0;
   }
 }
 
-// L's sums and float ends, its column blocks split over up to `threads` of torch's OpenMP threads.
+// L's sums and float ends, its tiles split evenly over up to `threads` of torch's OpenMP threads:
+// which thread computes a column changes no bits.
 void run_linear(const Linear& L, int64_t threads) {
-  const int64_t blocks = (L.out + L.block - 1) / L.block;
-  if (threads > blocks) threads = blocks;
+  const int64_t n_tiles = padded(L.out, TILE) / TILE;
+  if (threads > n_tiles) threads = n_tiles;
 #if defined(_OPENMP)
   if (threads > 1) {
     // torch's own OpenMP threads (native.py links the runtime torch has loaded): no second pool
     // competes with them for the cores
 #pragma omp parallel num_threads(threads)
-    share_of_columns(L, omp_get_thread_num(), omp_get_num_threads());
+    {
+      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+      tiles(L, n_tiles * t / n, n_tiles * (t + 1) / n);
+    }
     return;
   }
 #endif
-  columns(L, 0, L.out);
+  tiles(L, 0, n_tiles);
 }
 
 }  // namespace
 
 extern "C" {
 
-// y (rows, out) = the row-exact int8 linear of x (rows, in; rows `x_stride` floats apart).
-// inverse: 1 / the input step (float), as fbgemm quantizes with. Returns 0, or 1 when out of memory.
-int int8_linear(const float* x, int64_t rows, int64_t in, int64_t x_stride, const int8_t* weight,
+// y (rows, out) = the row-exact int8 linear of x (rows, in; rows `x_stride` floats apart) and the
+// packed weights. inverse: 1 / the input step (float), as fbgemm quantizes with. Returns 0, or 1
+// when out of memory.
+int int8_linear(const float* x, int64_t rows, int64_t in, int64_t x_stride, const int8_t* packed,
                 const int32_t* weight_sums, const float* scale, const float* bias, int64_t out, float* y,
                 float inverse, int64_t threads) {
-  uint8_t* codes = (uint8_t*)malloc((size_t)(rows * in + 1));
+  uint8_t* codes = (uint8_t*)malloc((size_t)(rows * padded(in, DEPTH) + 1));
   float* row_max = (float*)malloc(sizeof(float) * (size_t)(rows + 1));
   if (!codes || !row_max) {
     free(codes);
@@ -191,7 +202,7 @@ int int8_linear(const float* x, int64_t rows, int64_t in, int64_t x_stride, cons
     return 1;
   }
   code_rows(x, rows, in, x_stride, inverse, codes, row_max);
-  Linear L{codes, row_max, rows, in, out, weight, weight_sums, scale, bias, y, 16};
+  Linear L{codes, row_max, rows, in, out, packed, weight_sums, scale, bias, y};
   run_linear(L, threads);
   free(codes);
   free(row_max);
