@@ -142,3 +142,16 @@ def test_only_int8dyn_on_the_native_linear_gets_the_native_layers(monkeypatch):
     finally:
         monkeypatch.undo()
         int8gemm.kernel.cache_clear()
+
+
+def test_the_rope_table_gives_the_rotary_modules_values():
+    lm = make_lm("llama")
+    convert(lm.model, "int8dyn")
+    forward, x = lm.model.forward, torch.zeros(1, 1, lm.model.config.hidden_size)
+    positions = torch.tensor([[0, 5, 6, 300], [2, 3, 4, lean.ROPE_TABLE_START + 7]])  # past the first table
+    cos, sin = forward._rope(x, positions)
+    want_cos, want_sin = forward.rotary(x, position_ids=positions)
+    half = want_sin.shape[-1] // 2
+    assert torch.equal(cos, want_cos)
+    assert torch.equal(sin, torch.cat((-want_sin[..., :half], want_sin[..., half:]), dim=-1))
+    assert forward.rope_table[0].shape[0] >= lean.ROPE_TABLE_START + 8  # built for the largest position

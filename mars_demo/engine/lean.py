@@ -50,6 +50,7 @@ ROW_EXACT_ROWS = 16
 ROW_EXACT_PREFILL_ROWS = 2048
 ROW_EXACT_MAX = dict(zip(ROW_EXACT, (ROW_EXACT_ROWS, ROW_EXACT_PREFILL_ROWS)))
 BUFFER_SLACK = 256  # columns a key / value buffer is allocated beyond what it holds
+ROPE_TABLE_START = 1024  # positions in the native layers' first RoPE table (it doubles as needed)
 
 
 def unsupported(model: PreTrainedModel) -> str | None:
@@ -130,6 +131,11 @@ def _layer(layer: nn.Module, index: int) -> _Layer:
         gate_up, gate_and_up, gate_up_sizes, _gemm(mlp.down_proj),
         attention.q_proj.out_features // head_dim, attention.k_proj.out_features // head_dim, head_dim, index,
     )
+
+
+def _negate_first_half(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -226,6 +232,7 @@ class LeanForward:
         # all layers in one native call where they are int8dyn's on the native kernels (decoder.py)
         self.native = NativeLayers.build(self.layers)
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.rope_table = None  # (cos, sin with its first half negated) by position, for the native layers
         self.head = _gemm(model.lm_head)
 
     def __call__(self, input_ids=None, *args, **kwargs):
@@ -258,12 +265,11 @@ class LeanForward:
                 config=config, inputs_embeds=x, attention_mask=attention_mask, past_key_values=past_key_values,
                 position_ids=position_ids,
             )
-        cos, sin = self.rotary(x, position_ids=position_ids)  # (batch, n, head_dim)
-        half = cos.shape[-1] // 2
         if native is not None:
-            x = self._native_pass(native, x, cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1), mask)
+            x = self._native_pass(native, x, *self._rope(x, position_ids), mask)
         else:
-            x = self._layers(x, cos, sin, half, mask, past_key_values)
+            cos, sin = self.rotary(x, position_ids=position_ids)  # (batch, n, head_dim)
+            x = self._layers(x, cos, sin, cos.shape[-1] // 2, mask, past_key_values)
         x = _norm(x, self.norm, self.norm_eps)
         if clock is not None:
             clock("forward_body", False)
@@ -274,10 +280,29 @@ class LeanForward:
             clock("lm_head", False)
         return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the positions, sin's first half negated: (batch, n, head_dim).
+
+        Read from a table the model's own rotary module computed for positions 0, 1, ... (its values
+        depend on the position alone), except for RoPE kinds that rescale with the sequence's length.
+        """
+        rotary = self.rotary
+        kind = str(getattr(rotary, "rope_type", "default"))
+        if "dynamic" in kind or kind == "longrope":
+            cos, sin = rotary(x, position_ids=position_ids)
+            return cos, _negate_first_half(sin)
+        need = int(position_ids.max()) + 1
+        table = self.rope_table
+        if table is None or table[0].shape[0] < need or table[0].dtype != x.dtype:
+            size = max(need, ROPE_TABLE_START, 2 * table[0].shape[0] if table is not None else 0)
+            cos, sin = rotary(x, position_ids=torch.arange(size, device=x.device)[None])
+            table = self.rope_table = (cos[0], _negate_first_half(sin[0]))
+        return table[0][position_ids], table[1][position_ids]
+
     def _layers(self, x, cos, sin, half, mask, past_key_values):
         """The decoder layers through torch ops around the model's own GEMMs and attention."""
         config = self.model.config
-        cos, sin = cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        cos, sin = cos.unsqueeze(2), _negate_first_half(sin).unsqueeze(2)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
         if attend is None:  # eager: transformers' own function, which the interface does not list
             from transformers.models.llama.modeling_llama import eager_attention_forward as attend

@@ -121,12 +121,13 @@ void silu_times_up(const float* gate_up, int64_t rows, int64_t n, float* act, in
     int64_t k = 0;
     for (; k + 8 <= n; k += 8) {
       const v8f x = load8(g + k);
-      const v8f zero = splat(0.0f), one = splat(1.0f);
+      const v8f zero = splat(0.0f);
       const v8f e = exp8(x < zero ? x : -x);  // exp(-|x|): never overflows
-      const v8f silu = x < zero ? x * e / (one + e) : x / (one + e);
-      store8(a + k, silu * load8(u + k));
+      const v8f r = splat(1.0f) / (splat(1.0f) + e);
+      const v8f sigmoid = x < zero ? e * r : r;
+      store8(a + k, (x * sigmoid) * load8(u + k));
     }
-    for (; k < n; k++) a[k] = (g[k] / (1.0f + expf(-g[k]))) * u[k];
+    for (; k < n; k++) a[k] = (g[k] * (1.0f / (1.0f + expf(-g[k])))) * u[k];
   }
 }
 

@@ -55,7 +55,7 @@ static inline v8f sums8(const v8f* a) {
 // exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, eight at a time.
 static inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
 
-static inline v8f exp8(v8f x) {
+__attribute__((always_inline)) static inline v8f exp8(v8f x) {
   const v8f lo = splat(-87.33654f);
   x = x < lo ? lo : x;
   v8f n = x * 1.44269504088896341f + 0.5f;
