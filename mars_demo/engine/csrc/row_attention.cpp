@@ -16,9 +16,6 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -32,24 +29,10 @@ static inline v8f load8(const float* p) {
 static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
 
 static inline float hsum8(v8f v) {
-  // a fixed pairwise order: the one sums8 gives each of its eight vectors
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
-
-// The eight lane sums of a[0..7] at once, each in hsum8's order: lane u is hsum8(a[u]).
-static inline v8f sums8(const v8f* a) {
-#if defined(__AVX__)
-  __m256 t[4], u[2];
-  for (int i = 0; i < 4; i++) t[i] = _mm256_hadd_ps((__m256)a[2 * i], (__m256)a[2 * i + 1]);
-  u[0] = _mm256_hadd_ps(t[0], t[1]);  // lanes 0-3: a[0..3]'s first halves, 4-7: their second halves
-  u[1] = _mm256_hadd_ps(t[2], t[3]);
-  const __m256 first = _mm256_permute2f128_ps(u[0], u[1], 0x20), second = _mm256_permute2f128_ps(u[0], u[1], 0x31);
-  return (v8f)_mm256_add_ps(first, second);
-#else
-  v8f s;
-  for (int u = 0; u < 8; u++) s[u] = hsum8(a[u]);
-  return s;
-#endif
+  // a fixed pairwise order
+  float a = (v[0] + v[4]) + (v[2] + v[6]);
+  float b = (v[1] + v[5]) + (v[3] + v[7]);
+  return a + b;
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, eight at a time.
@@ -127,25 +110,11 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
     const float* kbase = c->k + b * c->kb + kvh * c->kh;
     const float* vbase = c->v + b * c->vb + kvh * c->vh;
     float* out = c->out + ((b * c->rows + i) * c->heads + h) * d;
-    // scores, in the order of the visible keys; eight keys at a time (their lane sums taken together),
-    // then four for independent chains, each key's sum in hsum8's order whichever way it is taken
+    // scores, in the order of the visible keys; four keys at a time for independent chains
     int64_t m = 0;
     for (int64_t g = 0; g < n_ranges; g++) {
       int64_t j = ranges[2 * g];
       const int64_t end = ranges[2 * g + 1];
-      if (D8 > 0) {
-        for (; j + 8 <= end; j += 8) {
-          const float* kj = kbase + j * c->ks;
-          v8f a[8];
-          for (int u = 0; u < 8; u++) a[u] = splat(0.0f);
-          for (int64_t t = 0; t < d8; t += 8) {
-            const v8f qt = load8(q + t);
-            for (int u = 0; u < 8; u++) a[u] += qt * load8(kj + u * c->ks + t);
-          }
-          store8(scores + m, sums8(a) * c->scale);
-          m += 8;
-        }
-      }
       for (; j + 4 <= end; j += 4) {
         const float* kj = kbase + j * c->ks;
         v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
