@@ -14,7 +14,9 @@ its module plumbing (hooks, output capture, keyword arguments: ~3.5 ms a pass on
 
 The logits are bit for bit those of the transformers forward on the same weights
 (tests/test_lean.py), so every property the compute paths have (row-exactness, exact mode equal to
-AR) holds here too. Anything it does not cover (training, other outputs, other attention kinds,
+AR) holds here too. On int8dyn with the native kernels the layers themselves are one native call a
+pass (decoder.py): the same layers, rounded a little differently (RMSNorm, SiLU), rows still
+independent bit for bit. Anything it does not cover (training, other outputs, other attention kinds,
 sliding windows) goes to the model's own forward.
 """
 
