@@ -155,3 +155,5 @@ def test_the_rope_table_gives_the_rotary_modules_values():
     assert torch.equal(cos, want_cos)
     assert torch.equal(sin, torch.cat((-want_sin[..., :half], want_sin[..., half:]), dim=-1))
     assert forward.rope_table[0].shape[0] >= lean.ROPE_TABLE_START + 8  # built for the largest position
+    padded = torch.tensor([[-1, 0, 1]])  # a caller's padding positions: no row of the table, the module's values
+    assert torch.equal(forward._rope(x, padded)[0], forward.rotary(x, position_ids=padded)[0])

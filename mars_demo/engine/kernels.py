@@ -31,7 +31,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreT
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import exact, int8gemm, lean, rowattn
+from . import decoder, exact, int8gemm, lean, rowattn
 from .machine import cpu_model
 
 logger = logging.getLogger(__name__)
@@ -529,7 +529,7 @@ def table_key(model: PreTrainedModel, widths: range) -> str:
         cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"kernels={KERNELS_VERSION}",
         f"transformers={transformers.__version__}", f"model={name}", f"params={params}", f"widths={widths.stop - 1}",
         f"lean={lean.enabled(model)}", f"rowattn={rowattn.kernel() is not None}",
-        f"int8gemm={int8gemm.kernel() is not None}",
+        f"int8gemm={int8gemm.kernel() is not None}", f"decoder={decoder.kernel() is not None}",
     ])
 
 

@@ -290,10 +290,11 @@ class LeanForward:
         """
         rotary = self.rotary
         kind = str(getattr(rotary, "rope_type", "default"))
-        if "dynamic" in kind or kind == "longrope":
+        low, high = (int(v) for v in position_ids.aminmax())
+        if "dynamic" in kind or kind == "longrope" or low < 0:  # the module itself (a table has no row for -1)
             cos, sin = rotary(x, position_ids=position_ids)
             return cos, _negate_first_half(sin)
-        need = int(position_ids.max()) + 1
+        need = high + 1
         table = self.rope_table
         if table is None or table[0].shape[0] < need or table[0].dtype != x.dtype:
             size = max(need, ROPE_TABLE_START, 2 * table[0].shape[0] if table is not None else 0)
@@ -340,6 +341,8 @@ class LeanForward:
         if cache_layers:
             placed = [room(layer, like, rows) for layer in cache_layers]
             start, buffers = placed[0][0], [b for _, _, b in placed]
+            if any(p[0] != start for p in placed):
+                raise ValueError("the cache's layers hold different numbers of tokens")
         else:  # no cache: this pass's keys and values only
             start = 0
             buffers = [(like.new_empty(batch, like.shape[1], rows, like.shape[-1]),
