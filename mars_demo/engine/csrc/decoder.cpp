@@ -143,10 +143,9 @@ int run(const Pass& p, const Layer* layers, int64_t n_layers) {
       widest_in = ins[j] > widest_in ? ins[j] : widest_in;
     }
   }
-  const int64_t attended = p.heads * p.dim;
-  float* h = (float*)malloc(sizeof(float) * rows * (H > attended ? H : attended));
-  float* wide = (float*)malloc(sizeof(float) * rows * widest);
-  float* act = (float*)malloc(sizeof(float) * rows * widest_in);
+  float* h = (float*)malloc(sizeof(float) * rows * H);  // a norm's output
+  float* wide = (float*)malloc(sizeof(float) * rows * widest);  // q/k/v or gate/up rows
+  float* act = (float*)malloc(sizeof(float) * rows * widest_in);  // the attention's output or SiLU * up
   float* y = (float*)malloc(sizeof(float) * rows * H);
   uint8_t* codes = (uint8_t*)malloc(rows * padded(widest_in, DEPTH) + 1);
   float* row_max = (float*)malloc(sizeof(float) * (rows + 1));
