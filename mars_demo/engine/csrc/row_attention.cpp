@@ -145,8 +145,16 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
       memset(out, 0, d * sizeof(float));
       continue;
     }
-    float top = scores[0];
-    for (int64_t j = 1; j < m; j++) top = scores[j] > top ? scores[j] : top;
+    // the largest score: eight running maxima, then theirs (a maximum is exact in any order)
+    v8f tops = splat(scores[0]);
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+      const v8f sj = load8(scores + j);
+      tops = sj > tops ? sj : tops;
+    }
+    float top = tops[0];
+    for (int u = 1; u < 8; u++) top = tops[u] > top ? tops[u] : top;
+    for (; j < m; j++) top = scores[j] > top ? scores[j] : top;
     // exponentials and their sum, in 8 lanes by position
     for (int64_t j = m; j < m + 8; j++) scores[j] = -INFINITY;  // the tail's unused lanes: exp gives 0
     v8f lanes = splat(0.0f);
