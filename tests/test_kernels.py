@@ -298,3 +298,8 @@ def test_int8dyn_prefill_rows_do_not_depend_on_the_masks_fed_after_them():
             with_masks = model(input_ids=ids, output_hidden_states=True)
         assert torch.equal(alone.hidden_states[1][0], with_masks.hidden_states[1][0, :length])
         assert torch.equal(alone.logits[0], with_masks.logits[0, :length])
+
+
+def test_the_summary_shows_short_passes_to_a_tenth_of_a_ms():
+    line = kernels.ComputePath("int8dyn", "auto", costs_ms={1: 5.38, 4: 6.19, 8: 43.55}, max_fed=3).summary()
+    assert line == "int8dyn (auto), up to 3 tokens fed per pass; ms per pass by tokens fed 1:5.4 4:6.2 8:44"

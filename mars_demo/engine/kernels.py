@@ -418,7 +418,8 @@ class ComputePath:
 
     def summary(self) -> str:
         """One line: path, cap and the curve, for status lines and logs."""
-        curve = " ".join(f"{w}:{ms:.0f}" for w, ms in sorted(self.costs_ms.items()))
+        # a tenth of a ms where passes are short: "1:5.4 4:6.2", not "1:5 4:6"
+        curve = " ".join(f"{w}:{ms:.1f}" if ms < 20 else f"{w}:{ms:.0f}" for w, ms in sorted(self.costs_ms.items()))
         cap = f", up to {self.max_fed} tokens fed per pass" if self.max_fed else ""
         how = ""
         if self.requested == "auto":
