@@ -134,18 +134,17 @@ class NativeLayers:
         visible: rowattn.Visible for a masked pass, None for a causal one over the cache.
         """
         batch, rows, _ = x.shape
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # written in place
         keys = (_P * len(buffers))(*(b[0].data_ptr() for b in buffers))
         values = (_P * len(buffers))(*(b[1].data_ptr() for b in buffers))
         cos, sin = cos.contiguous(), sin.contiguous()
-        work = visible.work if visible is not None else batch * (rows * start + rows * (rows + 1) // 2)
         ranges, offsets = (None, None) if visible is None else (visible.ranges.data_ptr(), visible.offsets.data_ptr())
         stride = buffers[0][0].stride()
         run = _Pass(
             x.data_ptr(), batch, rows, self.hidden, self.heads, self.kv_heads, self.dim,
             cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else rows * self.dim, keys, values,
             stride[0], stride[1], start, ranges, offsets, self.scale, int8gemm.INVERSE_STEP,
-            torch.get_num_threads(), rowattn.threads(work, self.heads),
+            torch.get_num_threads(), rowattn.threads(visible, batch, rows, start + rows, self.heads),
         )
         if self.function(ctypes.byref(run), self.layers, len(self.layers)):
             raise MemoryError("native decoder layers: out of memory for a pass's buffers")

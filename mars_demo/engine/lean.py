@@ -271,7 +271,7 @@ class LeanForward:
             x = self._native_pass(native, x, *self._rope(x, position_ids), mask)
         else:
             cos, sin = self.rotary(x, position_ids=position_ids)  # (batch, n, head_dim)
-            x = self._layers(x, cos, sin, cos.shape[-1] // 2, mask, past_key_values)
+            x = self._layers(x, cos, sin, mask, past_key_values)
         x = _norm(x, self.norm, self.norm_eps)
         if clock is not None:
             clock("forward_body", False)
@@ -302,9 +302,10 @@ class LeanForward:
             table = self.rope_table = (cos[0], _negate_first_half(sin[0]))
         return table[0][position_ids], table[1][position_ids]
 
-    def _layers(self, x, cos, sin, half, mask, past_key_values):
+    def _layers(self, x, cos, sin, mask, past_key_values):
         """The decoder layers through torch ops around the model's own GEMMs and attention."""
         config = self.model.config
+        half = cos.shape[-1] // 2
         cos, sin = cos.unsqueeze(2), _negate_first_half(sin).unsqueeze(2)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
         if attend is None:  # eager: transformers' own function, which the interface does not list

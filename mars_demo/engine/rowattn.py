@@ -68,8 +68,12 @@ class Visible:
         self.work = int((ends[:, 2] - starts[:, 2]).sum())  # visible (row, key) pairs
 
 
-def threads(work: int, heads: int) -> int:
-    """How many of torch's threads a call takes for ``work`` visible (row, key) pairs over ``heads`` heads."""
+def threads(visible: Visible | None, batch: int, rows: int, keys: int, heads: int) -> int:
+    """How many of torch's threads a call takes: one more per THREADED_WORK visible (row, key, head) triples.
+
+    visible None: causal over a cache of ``keys`` (this pass's rows included).
+    """
+    work = visible.work if visible is not None else batch * (rows * (keys - rows) + rows * (rows + 1) // 2)
     most = torch.get_num_threads()
     return max(1, min(most, 1 + work * heads // THREADED_WORK if THREADED_WORK else most))
 
@@ -86,12 +90,11 @@ def attend(
     kv_heads, keys = key.shape[1], key.shape[2]
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     out = query.new_empty(batch, rows, heads, dim)
-    work = visible.work if visible is not None else batch * (rows * (keys - rows) + rows * (rows + 1) // 2)
     failed = function(
         query.data_ptr(), *query.stride()[:3], key.data_ptr(), *key.stride()[:3], value.data_ptr(),
         *value.stride()[:3], out.data_ptr(), batch, heads, kv_heads, rows, keys, dim,
         None if visible is None else visible.ranges.data_ptr(), None if visible is None else visible.offsets.data_ptr(),
-        dim**-0.5 if scale is None else scale, threads(work, heads),
+        dim**-0.5 if scale is None else scale, threads(visible, batch, rows, keys, heads),
     )
     if failed:
         raise MemoryError("row-exact attention: out of memory for its score buffer")
