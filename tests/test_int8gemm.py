@@ -63,15 +63,27 @@ def test_the_kernel_returns_the_exact_integer_arithmetic_for_every_row_count(out
         assert torch.equal(linear(x), reference(weight, b, x)), n
 
 
-@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
-def test_the_portable_loop_without_avx2_returns_the_same_arithmetic(tmp_path, monkeypatch):
-    """The scalar loop that CPUs without AVX2 run, built here with AVX2 switched off, reads the same packed weights."""
-    monkeypatch.setattr(native, "TUNE", ("-mno-avx2",))
+# What CPUs with fewer instruction sets than this one run, built here with them switched off: the
+# scalar loop (no AVX2), AVX2's 4-row tiles with three-step dot products or AVX-VNNI's one, and
+# AVX-512's 8-row tiles without int8 dot products. Where this CPU lacks a set, a build is what it runs.
+LESSER_BUILDS = {
+    "scalar": ("-mno-avx2",),
+    "avx2": ("-march=native", "-mno-avx512f", "-mno-avxvnni"),
+    "avx2-vnni": ("-march=native", "-mno-avx512f"),
+    "avx512-no-vnni": ("-march=native", "-mno-avx512vnni", "-mno-avxvnni"),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", LESSER_BUILDS)
+def test_the_loops_of_lesser_cpus_return_the_same_arithmetic(build, tmp_path, monkeypatch):
+    """Each loop reads the same packed weights and gives the same exact sums, whatever its tile's rows."""
+    monkeypatch.setattr(native, "TUNE", LESSER_BUILDS[build])
     function = ctypes.CDLL(str(native.build("int8_linear", native.compiler(), tmp_path))).int8_linear
     function.argtypes, function.restype = int8gemm.kernel().argtypes, ctypes.c_int
     weight, b = weights(37, 101)
     kernel_weights = RowInt8Linear(weight, b).weights
-    for n in (1, 5):
+    for n in (1, 5, 11):
         x = awkward_rows(n, 101, seed=n)
         assert torch.equal(kernel_weights.linear(function, x), reference(weight, b, x)), n
 

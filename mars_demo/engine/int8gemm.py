@@ -35,11 +35,11 @@ def kernel():
     return native.function("int8_linear", INT8GEMM_ENV, [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_float, _I])
 
 
-COLUMNS, DEPTH, TILE = 8, 4, 16  # csrc/int8_linear.cpp's packing: blocks of 8 columns by 4 inputs, tiles of 16
+DEPTH, TILE = 4, 16  # csrc/int8_linear.cpp's packing: blocks of 16 columns by 4 inputs
 
 
 def pack(ints: torch.Tensor) -> torch.Tensor:
-    """int8 (out, in) -> the kernel's layout: [block of 8 columns][in / 4][8 columns][4 inputs], zero-padded.
+    """int8 (out, in) -> the kernel's layout: [block of 16 columns][in / 4][16 columns][4 inputs], zero-padded.
 
     Columns are padded to a multiple of 16 and inputs to a multiple of 4 with zero weights, which add
     nothing to any sum.
@@ -47,7 +47,7 @@ def pack(ints: torch.Tensor) -> torch.Tensor:
     out, inp = ints.shape
     padded = ints.new_zeros(-(-out // TILE) * TILE, -(-inp // DEPTH) * DEPTH)
     padded[:out, :inp] = ints
-    blocks = padded.view(-1, COLUMNS, padded.shape[1] // DEPTH, DEPTH)  # [block][column][step][input]
+    blocks = padded.view(-1, TILE, padded.shape[1] // DEPTH, DEPTH)  # [block][column][step][input]
     return blocks.permute(0, 2, 1, 3).contiguous().view(-1)
 
 

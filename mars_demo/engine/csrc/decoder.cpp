@@ -119,13 +119,16 @@ void silu_times_up(const float* gate_up, int64_t rows, int64_t n, float* act, in
     const float* u = g + n;
     float* a = act + r * n;
     int64_t k = 0;
-    for (; k + 8 <= n; k += 8) {
-      const v8f x = load8(g + k);
-      const v8f zero = splat(0.0f);
-      const v8f e = exp8(x < zero ? x : -x);  // exp(-|x|): never overflows
-      const v8f r = splat(1.0f) / (splat(1.0f) + e);
-      const v8f sigmoid = x < zero ? e * r : r;
-      store8(a + k, (x * sigmoid) * load8(u + k));
+    for (; k + VALUE_LANES <= n; k += VALUE_LANES) {
+      vv x, up;
+      memcpy(&x, g + k, sizeof(x));
+      memcpy(&up, u + k, sizeof(up));
+      const vv zero = vv{} + 0.0f, one = vv{} + 1.0f;
+      const vv e = exp_lanes<vv, vvi>(x < zero ? x : -x);  // exp(-|x|): never overflows
+      const vv r = one / (one + e);
+      const vv sigmoid = x < zero ? e * r : r;
+      const vv out = (x * sigmoid) * up;
+      memcpy(a + k, &out, sizeof(out));
     }
     for (; k < n; k++) a[k] = (g[k] * (1.0f / (1.0f + expf(-g[k])))) * u[k];
   }

@@ -11,12 +11,17 @@
 // What it saves over fbgemm at a few rows is not arithmetic: fbgemm's call packs its input for
 // every GEMM, and the row scaling around it is five more torch ops. Here one call does it all.
 //
-// The weights are packed once (int8gemm.pack): blocks of 8 output columns, each block's bytes in
-// steps of 4 inputs, [block][in / 4][8 columns][4 inputs], columns padded to 16 and inputs to 4
-// with zeros. One 32-byte load is then 8 columns x 4 inputs, multiplied by a row's 4 codes
-// broadcast to every lane (vpmaddubsw, then vpmaddwd by ones): the 8 lanes of the accumulator are
-// 8 columns' sums, with no horizontal sum at the end, and a tile of 16 columns streams two
-// contiguous blocks while up to 4 rows reuse every load.
+// The weights are packed once (int8gemm.pack): blocks of 16 output columns, each block's bytes in
+// steps of 4 inputs, [block][in / 4][16 columns][4 inputs], columns padded to 16 and inputs to 4
+// with zeros. One step of a block is 64 contiguous bytes, 16 columns x 4 inputs, multiplied by a
+// row's 4 codes broadcast to every lane: each 32-bit lane of the accumulator is one column's sum,
+// with no horizontal sum at the end, and up to TILE_ROWS rows reuse every load of the block.
+//
+// How a step multiplies depends on the CPU (all exact int32 sums, so every build gives the same
+// bits): AVX-512 takes the 64 bytes in one register, AVX2 in two halves; with int8 dot products
+// (AVX-512 VNNI, AVX-VNNI) one vpdpbusd does the work of vpmaddubsw + vpmaddwd + vpaddd. With
+// AVX-512's 32 vector registers a tile takes 8 rows, so a pass of up to 8 tokens reads each weight
+// once; AVX2's 16 registers hold 4 rows. Without AVX2 a scalar loop reads the same layout.
 //
 // Built at run time by native.py (g++ -O3 -march=native -fopenmp -ffp-contract=off, no fast-math) and
 // called through ctypes.
@@ -34,9 +39,9 @@
 
 namespace {
 
-constexpr int64_t COLS = 8;    // columns in a packed block
 constexpr int64_t DEPTH = 4;   // inputs a block holds together for each column
-constexpr int64_t TILE = 16;   // columns a tile computes (two blocks): the unit of work handed out
+constexpr int64_t TILE = 16;   // columns in a packed block: the unit of work handed out
+constexpr int64_t STEP = TILE * DEPTH;  // bytes of one step of a block
 
 inline int64_t padded(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -44,7 +49,7 @@ struct Linear {
   const uint8_t* codes;  // (rows, depth): each row's codes, then zeros up to depth
   const float* row_max;  // (rows)
   int64_t rows, in, out;
-  const int8_t* packed;  // (padded(out, TILE) / COLS, depth / DEPTH, COLS, DEPTH): see the top
+  const int8_t* packed;  // (padded(out, TILE) / TILE, depth / DEPTH, TILE, DEPTH): see the top
   const int32_t* weight_sums;  // (out): 128 * sum of the channel's weights
   const float* scale;  // (out): input step * weight scale
   const float* bias;  // (out) or null
@@ -63,54 +68,90 @@ inline void finish(const Linear& L, int64_t r, int64_t c, int32_t sum) {
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 1
 #endif
-// Row r0 + r's accumulators, each 8 columns' sums (a tile's two blocks)
-struct Pair {
-  __m256i first, second;
+#if defined(__AVX512BW__)
+constexpr int TILE_ROWS = 8;
+using Block = __m512i;  // one step of a block: 16 columns x 4 inputs
+using Sums = __m512i;   // a row's 16 column sums
+inline Block load_block(const int8_t* w) { return _mm512_loadu_si512((const void*)w); }
+inline Sums no_sums() { return _mm512_setzero_si512(); }
+// sums + each column's dot product of the row's 4 codes (u8, in every lane) and its 4 weights (s8)
+inline Sums dot(Sums sums, int32_t four, Block w) {
+  const __m512i codes = _mm512_set1_epi32(four);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(sums, codes, w);
+#else  // u8 x s8 pairs summed in int16 (7-bit weights: never saturates), then pairs of those in int32
+  return _mm512_add_epi32(sums, _mm512_madd_epi16(_mm512_maddubs_epi16(codes, w), _mm512_set1_epi16(1)));
+#endif
+}
+inline void store_sums(int32_t* out, Sums sums) { _mm512_storeu_si512((void*)out, sums); }
+#else
+constexpr int TILE_ROWS = 4;
+struct Block {  // columns 0-7 and 8-15
+  __m256i low, high;
 };
+using Sums = Block;
+inline Block load_block(const int8_t* w) {
+  return {_mm256_loadu_si256((const __m256i*)w), _mm256_loadu_si256((const __m256i*)(w + 32))};
+}
+inline Sums no_sums() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline __m256i dot8(__m256i sums, __m256i codes, __m256i w) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(sums, codes, w);
+#else
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, w), _mm256_set1_epi16(1)));
+#endif
+}
+inline Sums dot(Sums sums, int32_t four, Block w) {
+  const __m256i codes = _mm256_set1_epi32(four);
+  return {dot8(sums.low, codes, w.low), dot8(sums.high, codes, w.high)};
+}
+inline void store_sums(int32_t* out, Sums sums) {
+  _mm256_storeu_si256((__m256i*)out, sums.low);
+  _mm256_storeu_si256((__m256i*)(out + 8), sums.high);
+}
+#endif
 
-// rows r0 .. r0 + R - 1 times the 16 columns of tile t. The accumulators are named variables, not
-// an array: g++ keeps an array of them in memory, and every step then waits for its own store.
+// rows r0 .. r0 + R - 1 times the 16 columns of tile t. The sums are named variables, not an
+// array: g++ keeps an array of them in memory, and every step then waits for its own store.
 template <int R>
 inline void tile(const Linear& L, int64_t r0, int64_t t) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i zero = _mm256_setzero_si256();
-  Pair p0{zero, zero}, p1{zero, zero}, p2{zero, zero}, p3{zero, zero};
+  Sums s0 = no_sums(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
   const int64_t depth = L.depth(), steps = depth / DEPTH;
-  const int8_t* w0 = L.packed + t * TILE * depth;
-  const int8_t* w1 = w0 + COLS * depth;
-  const int8_t* ahead = w0 + PREFETCH_TILES * TILE * depth;  // the same bytes of a later tile
+  const int8_t* w = L.packed + t * TILE * depth;
+  const int8_t* ahead = w + PREFETCH_TILES * TILE * depth;  // the same bytes of a later tile
   const bool fetch = ahead + TILE * depth <= L.packed + padded(L.out, TILE) * depth;
   const uint8_t* a = L.codes + r0 * depth;
   for (int64_t s = 0; s < steps; s++) {
-    if (fetch && (s & 1) == 0) {  // one 64-byte line of each block every two steps
-      _mm_prefetch((const char*)(ahead + s * 32), _MM_HINT_T0);
-      _mm_prefetch((const char*)(ahead + COLS * depth + s * 32), _MM_HINT_T0);
-    }
-    const __m256i b0 = _mm256_loadu_si256((const __m256i*)(w0 + s * 32));
-    const __m256i b1 = _mm256_loadu_si256((const __m256i*)(w1 + s * 32));
-    auto step = [&](int r, Pair& p) {
-      int32_t four;  // the row's 4 codes of this step, in every lane
+    if (fetch) _mm_prefetch((const char*)(ahead + s * STEP), _MM_HINT_T0);  // a step is one 64-byte line
+    const Block b = load_block(w + s * STEP);
+    auto step = [&](int r, Sums& sums) {
+      int32_t four;  // the row's 4 codes of this step
       memcpy(&four, a + r * depth + s * DEPTH, sizeof(four));
-      const __m256i av = _mm256_set1_epi32(four);
-      p.first = _mm256_add_epi32(p.first, _mm256_madd_epi16(_mm256_maddubs_epi16(av, b0), ones));
-      p.second = _mm256_add_epi32(p.second, _mm256_madd_epi16(_mm256_maddubs_epi16(av, b1), ones));
+      sums = dot(sums, four, b);
     };
-    step(0, p0);
-    if constexpr (R > 1) step(1, p1);
-    if constexpr (R > 2) step(2, p2);
-    if constexpr (R > 3) step(3, p3);
+    step(0, s0);
+    if constexpr (R > 1) step(1, s1);
+    if constexpr (R > 2) step(2, s2);
+    if constexpr (R > 3) step(3, s3);
+    if constexpr (R > 4) step(4, s4);
+    if constexpr (R > 5) step(5, s5);
+    if constexpr (R > 6) step(6, s6);
+    if constexpr (R > 7) step(7, s7);
   }
   const int64_t c0 = t * TILE, n = L.out - c0 < TILE ? L.out - c0 : TILE;
-  auto store = [&](int r, const Pair& p) {
-    int32_t sums[TILE];
-    _mm256_storeu_si256((__m256i*)sums, p.first);
-    _mm256_storeu_si256((__m256i*)(sums + COLS), p.second);
-    for (int64_t j = 0; j < n; j++) finish(L, r0 + r, c0 + j, sums[j]);
+  auto store = [&](int r, const Sums& sums) {
+    int32_t out[TILE];
+    store_sums(out, sums);
+    for (int64_t j = 0; j < n; j++) finish(L, r0 + r, c0 + j, out[j]);
   };
-  store(0, p0);
-  if constexpr (R > 1) store(1, p1);
-  if constexpr (R > 2) store(2, p2);
-  if constexpr (R > 3) store(3, p3);
+  store(0, s0);
+  if constexpr (R > 1) store(1, s1);
+  if constexpr (R > 2) store(2, s2);
+  if constexpr (R > 3) store(3, s3);
+  if constexpr (R > 4) store(4, s4);
+  if constexpr (R > 5) store(5, s5);
+  if constexpr (R > 6) store(6, s6);
+  if constexpr (R > 7) store(7, s7);
 }
 #endif
 
@@ -119,8 +160,12 @@ void tiles(const Linear& L, int64_t t_from, int64_t t_to) {
 #if defined(__AVX2__)
   for (int64_t t = t_from; t < t_to; t++) {
     int64_t r = 0;
-    for (; r + 4 <= L.rows; r += 4) tile<4>(L, r, t);
-    switch (L.rows - r) {
+    for (; r + TILE_ROWS <= L.rows; r += TILE_ROWS) tile<TILE_ROWS>(L, r, t);
+    switch (L.rows - r) {  // the rest, fewer than TILE_ROWS
+      case 7: if constexpr (TILE_ROWS > 7) tile<7>(L, r, t); break;
+      case 6: if constexpr (TILE_ROWS > 6) tile<6>(L, r, t); break;
+      case 5: if constexpr (TILE_ROWS > 5) tile<5>(L, r, t); break;
+      case 4: if constexpr (TILE_ROWS > 4) tile<4>(L, r, t); break;
       case 3: tile<3>(L, r, t); break;
       case 2: tile<2>(L, r, t); break;
       case 1: tile<1>(L, r, t); break;
@@ -129,11 +174,11 @@ void tiles(const Linear& L, int64_t t_from, int64_t t_to) {
 #else
   const int64_t depth = L.depth();
   for (int64_t c = t_from * TILE; c < t_to * TILE && c < L.out; c++) {
-    const int8_t* w = L.packed + (c / COLS) * COLS * depth + (c % COLS) * DEPTH;
+    const int8_t* w = L.packed + (c / TILE) * TILE * depth + (c % TILE) * DEPTH;
     for (int64_t r = 0; r < L.rows; r++) {
       const uint8_t* a = L.codes + r * depth;
       int32_t s = 0;
-      for (int64_t k = 0; k < L.in; k++) s += (int32_t)a[k] * (int32_t)w[(k / DEPTH) * COLS * DEPTH + k % DEPTH];
+      for (int64_t k = 0; k < L.in; k++) s += (int32_t)a[k] * (int32_t)w[(k / DEPTH) * STEP + k % DEPTH];
       finish(L, r, c, s);
     }
   }

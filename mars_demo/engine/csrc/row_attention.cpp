@@ -4,8 +4,9 @@
 // and values it may see, never on the other rows of the call, their number or the keys it may not
 // see. A row computed in a one-token pass and the same row in a wider pass (MARS, exact mode) or a
 // batch therefore agree bit for bit. Within a row the order of every sum is fixed by the row's own
-// visible keys: scores are dot products over the head dimension (8-lane partial sums), the softmax
-// sums in 8 lanes by position, and the values accumulate key by key.
+// visible keys: scores are dot products over the head dimension (8-lane partial sums, then a fixed
+// tree; eight keys' trees at once), the softmax sums in 8 lanes by position, and the values
+// accumulate key by key.
 //
 // Built at run time by native.py (g++ -O3 -march=native -fopenmp, no fast-math) and called through
 // ctypes by rowattn.py. Threads: torch's own OpenMP team.
@@ -13,6 +14,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -29,38 +33,64 @@ static inline v8f load8(const float* p) {
 static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
 
 static inline float hsum8(v8f v) {
-  // a fixed pairwise order
-  float a = (v[0] + v[4]) + (v[2] + v[6]);
-  float b = (v[1] + v[5]) + (v[3] + v[7]);
+  // a fixed pairwise order, neighbours first: the one sums8 takes
+  float a = (v[0] + v[1]) + (v[2] + v[3]);
+  float b = (v[4] + v[5]) + (v[6] + v[7]);
   return a + b;
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, eight at a time.
+// hsum8 of eight vectors at once: their sums as one vector, each summed in hsum8's order
+static inline v8f sums8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
+#if defined(__AVX__)
+  // neighbours (hadd), then pairs of those (hadd), then the two 128-bit halves
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_permute2f128_ps(u0, u1, 0x20) + _mm256_permute2f128_ps(u0, u1, 0x31);
+#else
+  return v8f{hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3), hsum8(a4), hsum8(a5), hsum8(a6), hsum8(a7)};
+#endif
+}
+
+// Element-by-element work (the values' accumulators, decoder.cpp's SiLU), where a vector's width
+// changes no bits: 16 floats where the CPU has AVX-512 (half the instructions), else 8.
+#if defined(__AVX512F__)
+#define VALUE_LANES 16
+#else
+#define VALUE_LANES 8
+#endif
+typedef float vv __attribute__((vector_size(VALUE_LANES * sizeof(float))));
+typedef int32_t vvi __attribute__((vector_size(VALUE_LANES * sizeof(int32_t))));
+
 static inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
 
-__attribute__((always_inline)) static inline v8f exp8(v8f x) {
-  const v8f lo = splat(-87.33654f);
+// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, a vector at a time: F is
+// a float vector and I the int32 vector of its width. Lane by lane, so the width changes no bits.
+template <typename F, typename I>
+__attribute__((always_inline)) static inline F exp_lanes(F x) {
+  const F lo = F{} + -87.33654f;
   x = x < lo ? lo : x;
-  v8f n = x * 1.44269504088896341f + 0.5f;
-  v8i ni = __builtin_convertvector(n, v8i);  // truncation toward zero
-  v8f nf = __builtin_convertvector(ni, v8f);
+  F n = x * 1.44269504088896341f + 0.5f;
+  I ni = __builtin_convertvector(n, I);  // truncation toward zero
+  F nf = __builtin_convertvector(ni, F);
   ni = nf > n ? ni - 1 : ni;  // floor
-  nf = __builtin_convertvector(ni, v8f);
+  nf = __builtin_convertvector(ni, F);
   x = x - nf * 0.693359375f;
   x = x - nf * -2.12194440e-4f;
-  v8f z = x * x;
-  v8f p = splat(1.9875691500e-4f);
+  F z = x * x;
+  F p = F{} + 1.9875691500e-4f;
   p = p * x + 1.3981999507e-3f;
   p = p * x + 8.3334519073e-3f;
   p = p * x + 4.1665795894e-2f;
   p = p * x + 1.6666665459e-1f;
   p = p * x + 5.0000001201e-1f;
   p = p * z + x + 1.0f;
-  v8i bits = (ni + 127) << 23;
-  v8f scale;
+  I bits = (ni + 127) << 23;
+  F scale;
   memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+__attribute__((always_inline)) static inline v8f exp8(v8f x) { return exp_lanes<v8f, v8i>(x); }
 
 struct Call {
   const float* q; int64_t qb, qh, qr;   // query (batch, heads, rows, dim): strides in floats, dim contiguous
@@ -110,34 +140,36 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
     const float* kbase = c->k + b * c->kb + kvh * c->kh;
     const float* vbase = c->v + b * c->vb + kvh * c->vh;
     float* out = c->out + ((b * c->rows + i) * c->heads + h) * d;
-    // scores, in the order of the visible keys; four keys at a time for independent chains
+    // scores, in the order of the visible keys; eight keys at a time for independent chains
     int64_t m = 0;
     for (int64_t g = 0; g < n_ranges; g++) {
       int64_t j = ranges[2 * g];
       const int64_t end = ranges[2 * g + 1];
-      for (; j + 4 <= end; j += 4) {
+      for (; j + 8 <= end; j += 8) {
         const float* kj = kbase + j * c->ks;
-        v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        const int64_t ks = c->ks;
+        v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         for (int64_t t = 0; t < d8; t += 8) {
           const v8f qt = load8(q + t);
           a0 += qt * load8(kj + t);
-          a1 += qt * load8(kj + c->ks + t);
-          a2 += qt * load8(kj + 2 * c->ks + t);
-          a3 += qt * load8(kj + 3 * c->ks + t);
+          a1 += qt * load8(kj + ks + t);
+          a2 += qt * load8(kj + 2 * ks + t);
+          a3 += qt * load8(kj + 3 * ks + t);
+          a4 += qt * load8(kj + 4 * ks + t);
+          a5 += qt * load8(kj + 5 * ks + t);
+          a6 += qt * load8(kj + 6 * ks + t);
+          a7 += qt * load8(kj + 7 * ks + t);
         }
-        float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
+        v8f block = sums8(a0, a1, a2, a3, a4, a5, a6, a7);
         if (D8 == 0) {
-          for (int64_t t = d8; t < d; t++) {
-            s0 += q[t] * kj[t];
-            s1 += q[t] * kj[c->ks + t];
-            s2 += q[t] * kj[2 * c->ks + t];
-            s3 += q[t] * kj[3 * c->ks + t];
+          for (int u = 0; u < 8; u++) {
+            float tail = block[u];
+            for (int64_t t = d8; t < d; t++) tail += q[t] * kj[u * ks + t];
+            block[u] = tail;
           }
         }
-        scores[m++] = s0 * c->scale;
-        scores[m++] = s1 * c->scale;
-        scores[m++] = s2 * c->scale;
-        scores[m++] = s3 * c->scale;
+        store8(scores + m, block * c->scale);
+        m += 8;
       }
       for (; j < end; j++) scores[m++] = dot<D8>(q, kbase + j * c->ks, d) * c->scale;
     }
@@ -166,17 +198,25 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
     const float inv = 1.0f / hsum8(lanes);
     // values, key by key
     if (D8 > 0) {
-      v8f acc[D8 > 0 ? D8 : 1];
-      for (int u = 0; u < D8; u++) acc[u] = splat(0.0f);
+      constexpr int N = D8 * 8 / VALUE_LANES;
+      vv acc[N > 0 ? N : 1];
+      for (int u = 0; u < N; u++) acc[u] = vv{} + 0.0f;
       int64_t at = 0;
       for (int64_t g = 0; g < n_ranges; g++) {
         for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
           const float* vj = vbase + j * c->vs;
-          const v8f p = splat(scores[at]);
-          for (int u = 0; u < D8; u++) acc[u] += p * load8(vj + 8 * u);
+          const vv p = vv{} + scores[at];
+          for (int u = 0; u < N; u++) {
+            vv value;
+            memcpy(&value, vj + VALUE_LANES * u, sizeof(value));
+            acc[u] += p * value;
+          }
         }
       }
-      for (int u = 0; u < D8; u++) store8(out + 8 * u, acc[u] * inv);
+      for (int u = 0; u < N; u++) {
+        const vv o = acc[u] * inv;
+        memcpy(out + VALUE_LANES * u, &o, sizeof(o));
+      }
     } else {
       for (int64_t t = 0; t < d; t++) out[t] = 0.0f;
       int64_t at = 0;
