@@ -6,11 +6,53 @@ tau = 1.0 accepts exactly one token per pass for every metric, also where a
 saturated softmax reports a confidence of exactly 1.0. ``choose``, ``confidence`` and
 ``accept_count`` are pure tensor functions; ``accept_rows`` puts them together for
 every decoder, with the pass's one host sync.
+
+Greedy decoding by probability (the default) needs only each row's argmax and its probability, not
+the whole softmax: ``greedy`` gets both in one native call (``csrc/greedy.cpp``, built on first use
+like the other kernels; ``MARS_DEMO_GREEDY=0`` or no compiler: the torch ops). The tokens are
+argmax's; the probabilities agree with softmax's to float rounding.
 """
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
+
 import torch
+
+from . import native
+
+GREEDY_ENV = "MARS_DEMO_GREEDY"  # "0": softmax, argmax and gather through torch
+_I, _P = ctypes.c_int64, ctypes.c_void_p
+
+
+@cache
+def greedy_kernel():
+    """The native greedy choice (a ctypes function), or None: switched off, no compiler, or the build failed."""
+    return native.function("greedy", GREEDY_ENV, [_P, _I, _I, _I, _P, _P, _I])
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(tokens, probabilities) (...,) of the argmax of fp32 CPU ``logits`` (..., vocab), natively; None where
+    the kernel cannot take them (another dtype or device, no kernel)."""
+    function = greedy_kernel()
+    if function is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(-1) != 1:
+        return None
+    rows = logits.reshape(-1, logits.shape[-1])  # a view where the logits are contiguous
+    tokens = torch.empty(rows.shape[0], dtype=torch.long)
+    probs = torch.empty(rows.shape[0], dtype=torch.float32)
+    function(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), tokens.data_ptr(), probs.data_ptr(),
+             torch.get_num_threads())
+    return tokens.view(logits.shape[:-1]), probs.view(logits.shape[:-1])
+
+
+def greedy_confidence(logits: torch.Tensor, metric: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens (...,) and their confidences (...,) under ``metric``: ``greedy`` where it applies."""
+    found = greedy(logits) if metric == "probability" else None
+    if found is not None:
+        return found
+    tokens, probs = choose(logits)
+    return tokens, confidence(probs, tokens, metric)
 
 
 def choose(
@@ -80,18 +122,22 @@ def accept_rows(
     when cap[r] >= 1, the rest by ``accept_count``.
     """
     window = logits.shape[1]
-    device = logits.device
-    tokens, probs = choose(logits, temperature, generator)  # (rows, window), (rows, window, vocab)
-    conf = confidence(probs, tokens, metric)  # (rows, window)
-    index = (torch.tensor(start, device=device)[:, None] + torch.arange(window, device=device)).clamp(0, window - 1)
-    tokens, conf = tokens.gather(1, index), conf.gather(1, index)  # candidates 1..window of each row
-    n = accept_count(conf, tau, metric).minimum(torch.tensor(cap, device=device))  # (rows,)
-    packed = torch.cat([tokens.double(), conf.double(), n.double()[:, None]], dim=1).tolist()
+    if temperature > 0:
+        tokens, probs = choose(logits, temperature, generator)  # (rows, window), (rows, window, vocab)
+        conf = confidence(probs, tokens, metric)  # (rows, window)
+    else:
+        tokens, conf = greedy_confidence(logits, metric)
+    tokens, conf = torch.stack([tokens.double(), conf.double()]).tolist()  # the host sync
+    # a few numbers a row: host lists beat tensor ops here
+    bar = float(torch.tensor(tau, dtype=torch.float32))  # tau as accept_count compares fp32 confidences
     out_tokens, out_conf = [], []
-    for row in packed:
-        k = int(row[-1])
-        out_tokens.append([int(t) for t in row[:k]])
-        out_conf.append(row[window : window + k])
+    for r in range(len(start)):
+        at = [min(max(start[r] + k, 0), window - 1) for k in range(window)]  # candidates 1..window
+        passing = [(conf[r][i] <= bar) if metric == "entropy" else (conf[r][i] >= bar) for i in at]
+        n = 1 if tau >= 1.0 else next((k for k in range(1, window) if not passing[k]), window)
+        n = min(n, cap[r])
+        out_tokens.append([int(tokens[r][i]) for i in at[:n]])
+        out_conf.append([conf[r][i] for i in at[:n]])
     return out_tokens, out_conf
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import accept_count, choose, confidence
+from .acceptance import accept_count, greedy_confidence
 
 # Where a committed token came from: the AR head of the pass, a verified draft, a mask accepted on confidence.
 AR, DRAFT, MASK = "ar", "draft", "mask"
@@ -89,8 +89,7 @@ def verify(logits: torch.Tensor, drafts: list[int], lookahead: int, tau: float, 
     """
     d, L = len(drafts), lookahead
     g = logits.shape[0] - (1 + d + L)
-    tokens, probs = choose(logits)  # (keep,), (keep, vocab)
-    conf = confidence(probs, tokens, metric)  # (keep,)
+    tokens, conf = greedy_confidence(logits, metric)  # (keep,), (keep,)
     held = (tokens[:d] == torch.tensor(drafts, dtype=torch.long, device=tokens.device)).long().cumprod(0).sum()
     main = slice(d, d + 1 + L)  # the AR token after the last draft, then the main masks' guesses
     fallback = torch.cat([tokens[:1], tokens[d + 1 + L :]]), torch.cat([conf[:1], conf[d + 1 + L :]])

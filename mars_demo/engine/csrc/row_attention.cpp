@@ -14,83 +14,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8f load8(const float* p) {
-  v8f v;
-  memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
-
-static inline float hsum8(v8f v) {
-  // a fixed pairwise order, neighbours first: the one sums8 takes
-  float a = (v[0] + v[1]) + (v[2] + v[3]);
-  float b = (v[4] + v[5]) + (v[6] + v[7]);
-  return a + b;
-}
-
-// hsum8 of eight vectors at once: their sums as one vector, each summed in hsum8's order
-static inline v8f sums8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
-#if defined(__AVX__)
-  // neighbours (hadd), then pairs of those (hadd), then the two 128-bit halves
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-  return _mm256_permute2f128_ps(u0, u1, 0x20) + _mm256_permute2f128_ps(u0, u1, 0x31);
-#else
-  return v8f{hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3), hsum8(a4), hsum8(a5), hsum8(a6), hsum8(a7)};
-#endif
-}
-
-// Element-by-element work (the values' accumulators, decoder.cpp's SiLU), where a vector's width
-// changes no bits: 16 floats where the CPU has AVX-512 (half the instructions), else 8.
-#if defined(__AVX512F__)
-#define VALUE_LANES 16
-#else
-#define VALUE_LANES 8
-#endif
-typedef float vv __attribute__((vector_size(VALUE_LANES * sizeof(float))));
-typedef int32_t vvi __attribute__((vector_size(VALUE_LANES * sizeof(int32_t))));
-
-static inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
-
-// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, a vector at a time: F is
-// a float vector and I the int32 vector of its width. Lane by lane, so the width changes no bits.
-template <typename F, typename I>
-__attribute__((always_inline)) static inline F exp_lanes(F x) {
-  const F lo = F{} + -87.33654f;
-  x = x < lo ? lo : x;
-  F n = x * 1.44269504088896341f + 0.5f;
-  I ni = __builtin_convertvector(n, I);  // truncation toward zero
-  F nf = __builtin_convertvector(ni, F);
-  ni = nf > n ? ni - 1 : ni;  // floor
-  nf = __builtin_convertvector(ni, F);
-  x = x - nf * 0.693359375f;
-  x = x - nf * -2.12194440e-4f;
-  F z = x * x;
-  F p = F{} + 1.9875691500e-4f;
-  p = p * x + 1.3981999507e-3f;
-  p = p * x + 8.3334519073e-3f;
-  p = p * x + 4.1665795894e-2f;
-  p = p * x + 1.6666665459e-1f;
-  p = p * x + 5.0000001201e-1f;
-  p = p * z + x + 1.0f;
-  I bits = (ni + 127) << 23;
-  F scale;
-  memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-__attribute__((always_inline)) static inline v8f exp8(v8f x) { return exp_lanes<v8f, v8i>(x); }
+#include "lanes.h"
 
 struct Call {
   const float* q; int64_t qb, qh, qr;   // query (batch, heads, rows, dim): strides in floats, dim contiguous
