@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from mars_demo.engine import decoder, int8gemm, kernels, native, rowattn
+from mars_demo.engine import acceptance, decoder, int8gemm, kernels, native, rowattn
 from mars_demo.engine.kernels import DYN_WEIGHT_QMAX, RowInt8Linear
 
 from conftest import make_lm
@@ -153,23 +153,29 @@ def test_one_token_passes_give_the_same_logits_with_the_kernel_and_with_fbgemm(t
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
-@pytest.mark.parametrize(
-    "module, switch",
-    [(int8gemm, int8gemm.INT8GEMM_ENV), (rowattn, rowattn.ROWATTN_ENV), (decoder, decoder.DECODER_ENV)],
-)
-def test_switched_off_or_without_a_compiler_there_is_no_kernel(module, switch, monkeypatch):
-    module.kernel.cache_clear()
+KERNELS = {  # each native kernel's cached accessor and the variable that switches it off
+    "int8_linear": (int8gemm.kernel, int8gemm.INT8GEMM_ENV),
+    "row_attention": (rowattn.kernel, rowattn.ROWATTN_ENV),
+    "decoder": (decoder.kernel, decoder.DECODER_ENV),
+    "greedy": (acceptance.greedy_kernel, acceptance.GREEDY_ENV),
+}
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_switched_off_or_without_a_compiler_there_is_no_kernel(name, monkeypatch):
+    kernel, switch = KERNELS[name]
+    kernel.cache_clear()
     native.library.cache_clear()
     try:
         monkeypatch.setenv(switch, "0")
-        assert module.kernel() is None
-        module.kernel.cache_clear()
+        assert kernel() is None
+        kernel.cache_clear()
         monkeypatch.delenv(switch)
         monkeypatch.setattr(native, "compiler", lambda: None)
-        assert module.kernel() is None
+        assert kernel() is None
     finally:
         monkeypatch.undo()
-        module.kernel.cache_clear()
+        kernel.cache_clear()
         native.library.cache_clear()
 
 
@@ -183,7 +189,7 @@ def test_without_the_kernel_int8dyn_runs_fbgemm(monkeypatch):
 
 
 @pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
-@pytest.mark.parametrize("name", ["int8_linear", "row_attention", "decoder"])
+@pytest.mark.parametrize("name", KERNELS)
 def test_the_build_is_cached_by_source_compiler_and_cpu(name, tmp_path, monkeypatch):
     compiler = native.compiler()
     first = native.build(name, compiler, tmp_path)
@@ -198,15 +204,18 @@ def test_the_build_is_cached_by_source_compiler_and_cpu(name, tmp_path, monkeypa
 def test_a_failing_compiler_leaves_the_torch_paths(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # exits 1 whatever it is asked
-    caches = (native.library, rowattn.kernel, int8gemm.kernel, decoder.kernel)
+    caches = (native.library, *(kernel for kernel, _ in KERNELS.values()))
     for cached in caches:
         cached.cache_clear()
     try:
         with caplog.at_level("WARNING"):
-            assert rowattn.kernel() is None and int8gemm.kernel() is None and decoder.kernel() is None
-        for name in ("row_attention", "int8_linear", "decoder"):
+            assert all(kernel() is None for kernel, _ in KERNELS.values())
+        for name in KERNELS:
             assert f"native {name} kernel unavailable" in caplog.text
         assert RowInt8Linear(*weights(8, 32)).packed is not None  # fbgemm's weights instead
+        logits = torch.randn(2, 3, 50)
+        tokens, _ = acceptance.accept_rows(logits, [0, 0], [3, 3], 0.0)  # softmax and argmax through torch
+        assert [row[0] for row in tokens] == logits[:, 0].argmax(-1).tolist()
     finally:
         monkeypatch.undo()
         for cached in caches:
