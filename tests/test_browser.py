@@ -30,12 +30,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from mars_demo.ui.race import VIEW_EVERY
 
 ROOT = Path(__file__).resolve().parent.parent
 # The bundled model answers this with HTML (a <script> tag included): it must show as text.
 PROMPT = "Write a tiny HTML page with a <script> tag that shows an alert."
 MAX_NEW_TOKENS = 96
+VIEW_EVERY_HERE = 0.0  # the server's race cadence (race.LaneCadence): a view after every pass
 NEW_TAU = 0.5
 # Chromium in a sandbox without network: no background connections, no GPU.
 CHROMIUM_ARGS = [
@@ -93,6 +93,9 @@ def server(tmp_path_factory):
         **os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
         "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
         "MARS_DEMO_TRACE_DIR": str(traces),
+        # a view after every pass, each followed by a pause: the race lasts seconds however fast this
+        # CPU decodes (~3 ms a pass on int8dyn), so a drag lands mid-run
+        "MARS_DEMO_VIEW_EVERY": str(VIEW_EVERY_HERE), "MARS_DEMO_VIEW_SETTLE": "0.05",
     }
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(log, "w") as sink:
@@ -171,9 +174,9 @@ def test_tau_dragged_mid_run_changes_acceptance(browser, server, tmp_path):
         assert taus[0] == 0.9 and taus[-1] == pytest.approx(new_tau)
         assert all(a >= b for a, b in itertools.pairwise(taus))  # the drag only lowered it
         changed = next(i for i, t in enumerate(taus) if t != 0.9)
-        # the pane shows MARS's passes up to VIEW_EVERY seconds of its decoding late (race.LaneCadence)
+        # the pane shows MARS's passes up to VIEW_EVERY_HERE seconds of its decoding late (race.LaneCadence)
         seconds = [p["seconds"] for p in trace["sides"]["mars"]["passes"]]
-        late = next((k for k in range(len(seconds)) if sum(seconds[dragged_at : dragged_at + k]) >= VIEW_EVERY),
+        late = next((k for k in range(len(seconds)) if sum(seconds[dragged_at : dragged_at + k]) >= VIEW_EVERY_HERE),
                     len(seconds))
         # no restart: the passes before the drag were decoded at 0.9, the change came a few passes later at most
         assert 1 <= changed <= dragged_at + late + 6, (changed, dragged_at, late, taus)

@@ -20,8 +20,8 @@
 // How a step multiplies depends on the CPU (all exact int32 sums, so every build gives the same
 // bits): AVX-512 takes the 64 bytes in one register, AVX2 in two halves; with int8 dot products
 // (AVX-512 VNNI, AVX-VNNI) one vpdpbusd does the work of vpmaddubsw + vpmaddwd + vpaddd. With
-// AVX-512's 32 vector registers a tile takes 8 rows, so a pass of up to 8 tokens reads each weight
-// once; AVX2's 16 registers hold 4 rows. Without AVX2 a scalar loop reads the same layout.
+// AVX-512's 32 vector registers a tile takes 16 rows, so a pass of up to 16 tokens reads each
+// weight once; AVX2's 16 registers hold 4 rows. Without AVX2 a scalar loop reads the same layout.
 //
 // Built at run time by native.py (g++ -O3 -march=native -fopenmp -ffp-contract=off, no fast-math) and
 // called through ctypes.
@@ -69,7 +69,7 @@ inline void finish(const Linear& L, int64_t r, int64_t c, int32_t sum) {
 #define PREFETCH_TILES 1
 #endif
 #if defined(__AVX512BW__)
-constexpr int TILE_ROWS = 8;
+constexpr int TILE_ROWS = 16;
 using Block = __m512i;  // one step of a block: 16 columns x 4 inputs
 using Sums = __m512i;   // a row's 16 column sums
 inline Block load_block(const int8_t* w) { return _mm512_loadu_si512((const void*)w); }
@@ -84,6 +84,14 @@ inline Sums dot(Sums sums, int32_t four, Block w) {
 #endif
 }
 inline void store_sums(int32_t* out, Sums sums) { _mm512_storeu_si512((void*)out, sums); }
+// finish() of 16 columns c0 .. c0 + 15 of row r at once: the same operations, lane by lane
+inline void finish_all(const Linear& L, int64_t r, int64_t c0, Sums sums) {
+  const __m512i centred = _mm512_sub_epi32(sums, _mm512_loadu_si512((const void*)(L.weight_sums + c0)));
+  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(centred), _mm512_loadu_ps(L.scale + c0));
+  v = _mm512_mul_ps(v, _mm512_set1_ps(L.row_max[r]));
+  if (L.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(L.bias + c0));
+  _mm512_storeu_ps(L.y + r * L.out + c0, v);
+}
 #else
 constexpr int TILE_ROWS = 4;
 struct Block {  // columns 0-7 and 8-15
@@ -109,13 +117,31 @@ inline void store_sums(int32_t* out, Sums sums) {
   _mm256_storeu_si256((__m256i*)out, sums.low);
   _mm256_storeu_si256((__m256i*)(out + 8), sums.high);
 }
+inline void finish_half(const Linear& L, int64_t r, int64_t c0, __m256i sums) {
+  const __m256i centred = _mm256_sub_epi32(sums, _mm256_loadu_si256((const __m256i*)(L.weight_sums + c0)));
+  __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(centred), _mm256_loadu_ps(L.scale + c0));
+  v = _mm256_mul_ps(v, _mm256_set1_ps(L.row_max[r]));
+  if (L.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(L.bias + c0));
+  _mm256_storeu_ps(L.y + r * L.out + c0, v);
+}
+// finish() of 16 columns c0 .. c0 + 15 of row r at once: the same operations, lane by lane
+inline void finish_all(const Linear& L, int64_t r, int64_t c0, Sums sums) {
+  finish_half(L, r, c0, sums.low);
+  finish_half(L, r, c0 + 8, sums.high);
+}
 #endif
 
-// rows r0 .. r0 + R - 1 times the 16 columns of tile t. The sums are named variables, not an
-// array: g++ keeps an array of them in memory, and every step then waits for its own store.
+// Each of a tile's rows, by its number k: its sums are named variables s0, s1, ..., not an array (g++
+// keeps an array of them in memory, and every step then waits for its own store).
+#define EACH_ROW(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
+static_assert(TILE_ROWS <= 16, "EACH_ROW names 16 rows");
+
+// rows r0 .. r0 + R - 1 times the 16 columns of tile t
 template <int R>
 inline void tile(const Linear& L, int64_t r0, int64_t t) {
-  Sums s0 = no_sums(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+#define DECLARE(k) Sums s##k = no_sums();
+  EACH_ROW(DECLARE)
+#undef DECLARE
   const int64_t depth = L.depth(), steps = depth / DEPTH;
   const int8_t* w = L.packed + t * TILE * depth;
   const int8_t* ahead = w + PREFETCH_TILES * TILE * depth;  // the same bytes of a later tile
@@ -129,29 +155,33 @@ inline void tile(const Linear& L, int64_t r0, int64_t t) {
       memcpy(&four, a + r * depth + s * DEPTH, sizeof(four));
       sums = dot(sums, four, b);
     };
-    step(0, s0);
-    if constexpr (R > 1) step(1, s1);
-    if constexpr (R > 2) step(2, s2);
-    if constexpr (R > 3) step(3, s3);
-    if constexpr (R > 4) step(4, s4);
-    if constexpr (R > 5) step(5, s5);
-    if constexpr (R > 6) step(6, s6);
-    if constexpr (R > 7) step(7, s7);
+#define STEP(k) \
+  if constexpr (R > k) step(k, s##k);
+    EACH_ROW(STEP)
+#undef STEP
   }
   const int64_t c0 = t * TILE, n = L.out - c0 < TILE ? L.out - c0 : TILE;
   auto store = [&](int r, const Sums& sums) {
-    int32_t out[TILE];
+    if (n == TILE) return finish_all(L, r0 + r, c0, sums);
+    int32_t out[TILE];  // the last tile's columns past L.out are padding
     store_sums(out, sums);
     for (int64_t j = 0; j < n; j++) finish(L, r0 + r, c0 + j, out[j]);
   };
-  store(0, s0);
-  if constexpr (R > 1) store(1, s1);
-  if constexpr (R > 2) store(2, s2);
-  if constexpr (R > 3) store(3, s3);
-  if constexpr (R > 4) store(4, s4);
-  if constexpr (R > 5) store(5, s5);
-  if constexpr (R > 6) store(6, s6);
-  if constexpr (R > 7) store(7, s7);
+#define STORE(k) \
+  if constexpr (R > k) store(k, s##k);
+  EACH_ROW(STORE)
+#undef STORE
+}
+
+// rows r .. L.rows - 1 (fewer than TILE_ROWS) of tile t, in one tile of their number
+template <int R>
+inline void rest(const Linear& L, int64_t r, int64_t t) {
+  if constexpr (R > 0) {
+    if (L.rows - r == R)
+      tile<R>(L, r, t);
+    else
+      rest<R - 1>(L, r, t);
+  }
 }
 #endif
 
@@ -161,15 +191,7 @@ void tiles(const Linear& L, int64_t t_from, int64_t t_to) {
   for (int64_t t = t_from; t < t_to; t++) {
     int64_t r = 0;
     for (; r + TILE_ROWS <= L.rows; r += TILE_ROWS) tile<TILE_ROWS>(L, r, t);
-    switch (L.rows - r) {  // the rest, fewer than TILE_ROWS
-      case 7: if constexpr (TILE_ROWS > 7) tile<7>(L, r, t); break;
-      case 6: if constexpr (TILE_ROWS > 6) tile<6>(L, r, t); break;
-      case 5: if constexpr (TILE_ROWS > 5) tile<5>(L, r, t); break;
-      case 4: if constexpr (TILE_ROWS > 4) tile<4>(L, r, t); break;
-      case 3: tile<3>(L, r, t); break;
-      case 2: tile<2>(L, r, t); break;
-      case 1: tile<1>(L, r, t); break;
-    }
+    rest<TILE_ROWS - 1>(L, r, t);
   }
 #else
   const int64_t depth = L.depth();
