@@ -30,7 +30,6 @@ from types import SimpleNamespace
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parent.parent
 # The bundled model answers this with HTML (a <script> tag included): it must show as text.
 PROMPT = "Write a tiny HTML page with a <script> tag that shows an alert."

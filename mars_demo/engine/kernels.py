@@ -54,10 +54,11 @@ SMOOTHING_ALPHA = 0.5
 # Passes up to this many rows attend row by row; longer ones (prefills) in one call.
 ROW_EXACT_MAX_ROWS = lean.ROW_EXACT_ROWS  # lean.py skips the mask of plainly causal passes this short
 ROW_EXACT = lean.ROW_EXACT[0]
-# int8dyn: prefills up to this many rows attend row by row too. A MARS or exact prefill feeds the
-# prompt and masks, AR's the prompt alone, and SDPA over a block of rows rounds by block size
-# (~1e-6 in fp32): bf16 activations (int8, bf16) absorb it in practice, int8dyn's per-row scales
-# can turn it into a flipped token (BENCHMARKS.md, issue #15). Longer prompts attend in one call.
+# int8dyn and int8: prefills up to this many rows attend row by row too. A MARS or exact prefill
+# feeds the prompt and masks, AR's the prompt alone, a batch's prefill pads its prompts, and SDPA
+# over a block of rows rounds by block size (~1e-6 in fp32): int8dyn's per-row scales can turn that
+# into a flipped token (BENCHMARKS.md, issue #15), and so can int8's near ties (a live batch's row
+# against the same prompt alone, tests/test_live.py). Longer prompts attend in one call.
 ROW_EXACT_PREFILL_ROWS = lean.ROW_EXACT_PREFILL_ROWS
 ROW_EXACT_PREFILL = lean.ROW_EXACT[1]
 TABLE_FILE = "compute-paths.json"
@@ -395,7 +396,7 @@ def convert(
             fold_smoothing(model, activation_ranges(model, smoothing))
         _to_int8(model, RowInt8Linear)
     if path != "fp32" and row_exact:
-        model.set_attn_implementation(ROW_EXACT_PREFILL if path == "int8dyn" else ROW_EXACT)
+        model.set_attn_implementation(ROW_EXACT_PREFILL if path in ("int8", "int8dyn") else ROW_EXACT)
     lean.install(model)  # after every swap: it reads the layers as they are now
     return model
 
