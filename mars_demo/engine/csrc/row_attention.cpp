@@ -43,11 +43,21 @@ static inline float dot(const float* q, const float* k, int64_t d) {
   return s;
 }
 
+// Keys whose values a key group's heads take in turn while they stay in L1 (64 keys of 128 floats: 32 KB)
+constexpr int64_t VALUE_CHUNK = 64;
+constexpr int64_t MAX_TOGETHER = 64;  // heads of a key group taken together at most
+
 // One row, heads h0 .. h1 - 1: q row (b, i) over its visible keys. D8: dim / 8 when the dim is 64 or
 // 128 (the accumulators stay in registers), 0 for any dim. A model always takes the same branch.
+//
+// The heads that share a key group (GQA) are taken together: each block of eight keys is scored
+// for all of them while it is in L1, and the values are read a chunk at a time for all of them, so
+// the keys and values come from L2 once for the group, not once a head. Each head's arithmetic is
+// the one it would do alone, in the same order (partial sums stored and reloaded are exact), so
+// which heads a thread takes together changes no bits.
 template <int D8>
 static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t h1, float* scores) {
-  const int64_t d = c->dim, group = c->heads / c->kv_heads;
+  const int64_t d = c->dim, group = c->heads / c->kv_heads, stride = c->keys + 16;  // a head's scores
   int64_t causal_range[2];
   const int64_t* ranges;
   int64_t n_ranges;
@@ -62,108 +72,127 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
     n_ranges = 1;
   }
   const int64_t d8 = D8 > 0 ? D8 * 8 : d - d % 8;
-  for (int64_t h = h0; h < h1; h++) {
-    const float* q = c->q + b * c->qb + h * c->qh + i * c->qr;
-    const int64_t kvh = h / group;
+  for (int64_t first = h0; first < h1;) {
+    const int64_t kvh = first / group;
+    int64_t last = (kvh + 1) * group < h1 ? (kvh + 1) * group : h1;  // heads first .. last - 1 share kvh
+    last = last - first > MAX_TOGETHER ? first + MAX_TOGETHER : last;
     const float* kbase = c->k + b * c->kb + kvh * c->kh;
     const float* vbase = c->v + b * c->vb + kvh * c->vh;
-    float* out = c->out + ((b * c->rows + i) * c->heads + h) * d;
+    auto query = [&](int64_t h) { return c->q + b * c->qb + h * c->qh + i * c->qr; };
+    auto output = [&](int64_t h) { return c->out + ((b * c->rows + i) * c->heads + h) * d; };
     // scores, in the order of the visible keys; eight keys at a time for independent chains
     int64_t m = 0;
     for (int64_t g = 0; g < n_ranges; g++) {
       int64_t j = ranges[2 * g];
       const int64_t end = ranges[2 * g + 1];
-      for (; j + 8 <= end; j += 8) {
+      for (; j + 8 <= end; j += 8, m += 8) {
         const float* kj = kbase + j * c->ks;
         const int64_t ks = c->ks;
-        v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        for (int64_t t = 0; t < d8; t += 8) {
-          const v8f qt = load8(q + t);
-          a0 += qt * load8(kj + t);
-          a1 += qt * load8(kj + ks + t);
-          a2 += qt * load8(kj + 2 * ks + t);
-          a3 += qt * load8(kj + 3 * ks + t);
-          a4 += qt * load8(kj + 4 * ks + t);
-          a5 += qt * load8(kj + 5 * ks + t);
-          a6 += qt * load8(kj + 6 * ks + t);
-          a7 += qt * load8(kj + 7 * ks + t);
-        }
-        v8f block = sums8(a0, a1, a2, a3, a4, a5, a6, a7);
-        if (D8 == 0) {
-          for (int u = 0; u < 8; u++) {
-            float tail = block[u];
-            for (int64_t t = d8; t < d; t++) tail += q[t] * kj[u * ks + t];
-            block[u] = tail;
+        for (int64_t h = first; h < last; h++) {
+          const float* q = query(h);
+          v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+          for (int64_t t = 0; t < d8; t += 8) {
+            const v8f qt = load8(q + t);
+            a0 += qt * load8(kj + t);
+            a1 += qt * load8(kj + ks + t);
+            a2 += qt * load8(kj + 2 * ks + t);
+            a3 += qt * load8(kj + 3 * ks + t);
+            a4 += qt * load8(kj + 4 * ks + t);
+            a5 += qt * load8(kj + 5 * ks + t);
+            a6 += qt * load8(kj + 6 * ks + t);
+            a7 += qt * load8(kj + 7 * ks + t);
           }
+          v8f block = sums8(a0, a1, a2, a3, a4, a5, a6, a7);
+          if (D8 == 0) {
+            for (int u = 0; u < 8; u++) {
+              float tail = block[u];
+              for (int64_t t = d8; t < d; t++) tail += q[t] * kj[u * ks + t];
+              block[u] = tail;
+            }
+          }
+          store8(scores + (h - first) * stride + m, block * c->scale);
         }
-        store8(scores + m, block * c->scale);
-        m += 8;
       }
-      for (; j < end; j++) scores[m++] = dot<D8>(q, kbase + j * c->ks, d) * c->scale;
+      for (; j < end; j++, m++)
+        for (int64_t h = first; h < last; h++)
+          scores[(h - first) * stride + m] = dot<D8>(query(h), kbase + j * c->ks, d) * c->scale;
     }
     if (m == 0) {  // nothing visible (a padding row): zeros
-      memset(out, 0, d * sizeof(float));
+      for (int64_t h = first; h < last; h++) memset(output(h), 0, d * sizeof(float));
+      first = last;
       continue;
     }
-    // the largest score: eight running maxima, then theirs (a maximum is exact in any order)
-    v8f tops = splat(scores[0]);
-    int64_t j = 0;
-    for (; j + 8 <= m; j += 8) {
-      const v8f sj = load8(scores + j);
-      tops = sj > tops ? sj : tops;
+    // each head's softmax: its largest score (a vector of running maxima; a maximum is exact in any
+    // order), then the exponentials and their sum in 8 lanes by position
+    float inv[MAX_TOGETHER];
+    for (int64_t h = first; h < last; h++) {
+      float* sh = scores + (h - first) * stride;
+      v8f tops = splat(sh[0]);
+      int64_t j = 0;
+      for (; j + 8 <= m; j += 8) {
+        const v8f sj = load8(sh + j);
+        tops = sj > tops ? sj : tops;
+      }
+      float top = tops[0];
+      for (int u = 1; u < 8; u++) top = tops[u] > top ? tops[u] : top;
+      for (; j < m; j++) top = sh[j] > top ? sh[j] : top;
+      for (j = m; j < m + 8; j++) sh[j] = -INFINITY;  // the tail's unused lanes: exp gives 0
+      v8f lanes = splat(0.0f);
+      for (j = 0; j < m; j += 8) {
+        v8f e = exp8(load8(sh + j) - top);
+        store8(sh + j, e);
+        lanes += e;
+      }
+      inv[h - first] = 1.0f / hsum8(lanes);
     }
-    float top = tops[0];
-    for (int u = 1; u < 8; u++) top = tops[u] > top ? tops[u] : top;
-    for (; j < m; j++) top = scores[j] > top ? scores[j] : top;
-    // exponentials and their sum, in 8 lanes by position
-    for (int64_t j = m; j < m + 8; j++) scores[j] = -INFINITY;  // the tail's unused lanes: exp gives 0
-    v8f lanes = splat(0.0f);
-    for (int64_t j = 0; j < m; j += 8) {
-      v8f e = exp8(load8(scores + j) - top);
-      store8(scores + j, e);
-      lanes += e;
-    }
-    const float inv = 1.0f / hsum8(lanes);
-    // values, key by key
-    if (D8 > 0) {
-      constexpr int N = D8 * 8 / VALUE_LANES;
-      vv acc[N > 0 ? N : 1];
-      for (int u = 0; u < N; u++) acc[u] = vv{} + 0.0f;
-      int64_t at = 0;
-      for (int64_t g = 0; g < n_ranges; g++) {
-        for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
-          const float* vj = vbase + j * c->vs;
-          const vv p = vv{} + scores[at];
-          for (int u = 0; u < N; u++) {
-            vv value;
-            memcpy(&value, vj + VALUE_LANES * u, sizeof(value));
-            acc[u] += p * value;
+    // values, key by key, a chunk of keys at a time for every head of the group; a head's sums wait
+    // in its output between chunks
+    for (int64_t h = first; h < last; h++) memset(output(h), 0, d * sizeof(float));
+    int64_t at = 0;
+    for (int64_t g = 0; g < n_ranges; g++) {
+      for (int64_t from = ranges[2 * g]; from < ranges[2 * g + 1]; from += VALUE_CHUNK) {
+        const int64_t to = from + VALUE_CHUNK < ranges[2 * g + 1] ? from + VALUE_CHUNK : ranges[2 * g + 1];
+        for (int64_t h = first; h < last; h++) {
+          const float* p = scores + (h - first) * stride + at;
+          float* out = output(h);
+          if (D8 > 0) {
+            constexpr int N = D8 * 8 / VALUE_LANES;
+            vv acc[N > 0 ? N : 1];
+            for (int u = 0; u < N; u++) memcpy(&acc[u], out + VALUE_LANES * u, sizeof(vv));
+            for (int64_t j = from; j < to; j++) {
+              const float* vj = vbase + j * c->vs;
+              const vv pj = vv{} + p[j - from];
+              for (int u = 0; u < N; u++) {
+                vv value;
+                memcpy(&value, vj + VALUE_LANES * u, sizeof(value));
+                acc[u] += pj * value;
+              }
+            }
+            for (int u = 0; u < N; u++) memcpy(out + VALUE_LANES * u, &acc[u], sizeof(vv));
+          } else {
+            for (int64_t j = from; j < to; j++) {
+              const float* vj = vbase + j * c->vs;
+              const float pj = p[j - from];
+              for (int64_t t = 0; t < d; t++) out[t] += pj * vj[t];
+            }
           }
         }
+        at += to - from;
       }
-      for (int u = 0; u < N; u++) {
-        const vv o = acc[u] * inv;
-        memcpy(out + VALUE_LANES * u, &o, sizeof(o));
-      }
-    } else {
-      for (int64_t t = 0; t < d; t++) out[t] = 0.0f;
-      int64_t at = 0;
-      for (int64_t g = 0; g < n_ranges; g++) {
-        for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
-          const float* vj = vbase + j * c->vs;
-          const float p = scores[at];
-          for (int64_t t = 0; t < d; t++) out[t] += p * vj[t];
-        }
-      }
-      for (int64_t t = 0; t < d; t++) out[t] *= inv;
     }
+    for (int64_t h = first; h < last; h++) {
+      float* out = output(h);
+      for (int64_t t = 0; t < d; t++) out[t] *= inv[h - first];
+    }
+    first = last;
   }
 }
 
 // Units (b * rows + i) * heads + h, first .. last - 1: each one computed whole by one thread, so how
 // the units are split over threads changes no bits.
 static int run_units(const Call* c, int64_t first, int64_t last) {
-  float* scores = (float*)malloc((c->keys + 16) * sizeof(float));
+  const int64_t group = c->heads / c->kv_heads;  // a key group's heads' scores (attend_row)
+  float* scores = (float*)malloc(group * (c->keys + 16) * sizeof(float));
   if (!scores) return 1;
   while (first < last) {
     const int64_t r = first / c->heads, h0 = first % c->heads;
