@@ -9,7 +9,8 @@ import pytest
 from mars_demo import cli
 from mars_demo.commands import bench as bench_command
 from mars_demo.engine.metrics import agreement
-from mars_demo.research.bench import METHODS, BenchConfig, add_speedups, cut_at_stop, plan
+from mars_demo.research import bench
+from mars_demo.research.bench import METHODS, BenchConfig, Outcome, add_speedups, cut_at_stop, plan
 
 from conftest import PROMPTS, make_lm
 
@@ -95,3 +96,32 @@ def test_agreement_and_helpers():
     ]
     add_speedups(runs)
     assert runs[2]["speedup"] == 2.0 and runs[2]["speedup_over"] == "ar" and runs[3]["speedup"] is None
+
+
+def test_the_runs_of_a_batch_size_take_turns_and_keep_prompt_order(monkeypatch):
+    """Each chunk runs every job, the first one rotating; a job's outputs and seconds add up in prompt order."""
+    calls = []
+
+    def fake_run_job(lm, job, prompts, config, max_new, tick=None):
+        calls.append((job.method, [p[0] for p in prompts], max_new))
+        return Outcome(outputs=[[p[0], len(calls)] for p in prompts], row_passes=[1] * len(prompts),
+                       forward_passes=1, seconds=0.5)
+
+    monkeypatch.setattr(bench, "run_job", fake_run_job)
+    config = BenchConfig(taus=(1.0,), batch_sizes=(1, 2), methods=("ar", "mars", "mars_batch"), warmup_tokens=3)
+    groups = bench.interleaved(plan(config))
+    assert [[j.method for j in g] for g in groups] == [["hf_generate", "ar", "mars"], ["mars_batch"]]
+    prompts = [[10], [11], [12]]
+    outcomes = bench.run_group(None, groups[0], prompts, config)
+    timed = [(method, ids) for method, ids, max_new in calls if max_new == config.max_new_tokens]
+    assert [method for method, _, _ in calls[:3]] == ["hf_generate", "ar", "mars"]  # warm-ups first
+    assert all(max_new == config.warmup_tokens for _, _, max_new in calls[:3])
+    turns = [["hf_generate", "ar", "mars"], ["ar", "mars", "hf_generate"], ["mars", "hf_generate", "ar"]]
+    assert [m for m, _ in timed] == [m for turn in turns for m in turn]
+    assert all(ids == [p[0]] for (_, ids), p in zip(timed, [q for q in prompts for _ in range(3)]))
+    for job in groups[0]:
+        assert [row[0] for row in outcomes[job].outputs] == [10, 11, 12]  # prompt order
+        assert outcomes[job].seconds == 1.5 and outcomes[job].forward_passes == 3
+    batched = bench.run_group(None, groups[1], prompts, config)[groups[1][0]]
+    assert [ids for _, ids, _ in calls[-2:]] == [[10, 11], [12]]  # batches of 2
+    assert [row[0] for row in batched.outputs] == [10, 11, 12]

@@ -14,7 +14,9 @@ Runs (method, tau, batch size), each over all prompts:
 Figures per run: tokens_per_second, tokens_per_forward, speedup (over the faster AR run at the
 same batch size, named in ``speedup_over``), delta_nll_self and agreement, as engine/metrics.py
 defines them, against hf_generate's outputs (BENCHMARKS.md, "Columns").
-Each run is warmed up (same code path, first prompts, a few tokens) before it is timed.
+Each run is warmed up (same code path, first prompts, a few tokens) before it is timed. The runs of
+one batch size take turns prompt by prompt (batch by batch), so a drift in the machine's speed
+slows them alike (``run_group``).
 """
 
 from __future__ import annotations
@@ -102,6 +104,13 @@ class Outcome:
     row_passes: list[int] = field(default_factory=list)  # per prompt: passes while its row was live
     forward_passes: int = 0  # batched forward calls
     seconds: float = 0.0
+
+    def add(self, part: Outcome) -> None:
+        """Append ``part``, the same job over the next prompts."""
+        self.outputs += part.outputs
+        self.row_passes += part.row_passes
+        self.forward_passes += part.forward_passes
+        self.seconds += part.seconds
 
 
 def plan(config: BenchConfig) -> list[Job]:
@@ -361,6 +370,35 @@ def profile_passes(
     return profile
 
 
+def interleaved(jobs: list[Job]) -> list[list[Job]]:
+    """The jobs in groups that ``run_group`` takes turns over: those of one batch size, in plan order."""
+    groups: dict[int, list[Job]] = {}
+    for job in jobs:
+        groups.setdefault(job.batch_size, []).append(job)
+    return list(groups.values())
+
+
+def run_group(
+    lm: LoadedModel, group: list[Job], prompts: list[list[int]], config: BenchConfig, tick: Tick = _no_tick
+) -> dict[Job, Outcome]:
+    """Every job of ``group`` (one batch size) over ``prompts``, taking turns chunk by chunk.
+
+    Each chunk of ``batch_size`` prompts runs every job before the next chunk starts, the first job
+    of the turn rotating, so a machine whose speed drifts (a shared VM: 15% within a session here)
+    slows every method alike instead of the ones that happened to run late. Every job is warmed
+    up first, untimed.
+    """
+    size = group[0].batch_size
+    for job in group:
+        run_job(lm, job, prompts[:size], config, config.warmup_tokens)
+    outcomes = {job: Outcome() for job in group}
+    for turn, chunk in enumerate(_chunks(prompts, size)):
+        first = turn % len(group)
+        for job in group[first:] + group[:first]:
+            outcomes[job].add(run_job(lm, job, list(chunk), config, config.max_new_tokens, tick))
+    return outcomes
+
+
 def run_benchmark(
     lm: LoadedModel,
     prompts: list[str],
@@ -377,17 +415,16 @@ def run_benchmark(
     runs, outcomes = [], {}
     scorer = Scorer(lm.model, ids)
     bar = tqdm(total=len(jobs) * len(ids), desc="bench", unit="prompt", disable=not progress)
-    for job in jobs:
-        bar.set_postfix_str(f"{job.method} tau={job.tau} b={job.batch_size}")
-        run_job(lm, job, ids[: job.batch_size], config, config.warmup_tokens)  # warm-up, not timed
-        outcome = run_job(lm, job, ids, config, config.max_new_tokens, bar.update)
-        outcomes[job] = outcome
+    for group in interleaved(jobs):
+        bar.set_postfix_str(f"{len(group)} methods b={group[0].batch_size}")
+        outcomes.update(run_group(lm, group, ids, config, bar.update))
         reference = outcomes[jobs[0]].outputs
         ref_nll = nll_per_token(scorer, reference)
-        runs.append(summarise(job, outcome, reference, scorer, ref_nll))
-        logger.info("%s", runs[-1])
-        if on_run:
-            on_run(runs[-1])
+        for job in group:
+            runs.append(summarise(job, outcomes[job], reference, scorer, ref_nll))
+            logger.info("%s", runs[-1])
+            if on_run:
+                on_run(runs[-1])
     bar.close()
     add_speedups(runs)
     block = config.block_size or lm.meta.block_size
