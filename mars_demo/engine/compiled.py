@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from . import lean
+
 COMPILED = "mars_compiled"  # the model attribute holding the compiled forward
 
 
@@ -35,9 +37,10 @@ def compiled_forward(model: PreTrainedModel):
 
 
 def new_cache(model: PreTrainedModel, length: int) -> DynamicCache | StaticCache:
-    """A static cache of ``length`` positions when the model is compiled for decoding, else a dynamic one."""
+    """A static cache of ``length`` positions when the model is compiled for decoding, else a dynamic one
+    (lean.new_cache: a LeanCache on the native layers)."""
     if compiled_forward(model) is None:
-        return DynamicCache(config=model.config)
+        return lean.new_cache(model)
     return StaticCache(config=model.config, max_cache_len=length)
 
 

@@ -19,6 +19,7 @@ logits differ from the torch layers' by float rounding (its RMSNorm and SiLU rou
 from __future__ import annotations
 
 import ctypes
+import operator
 from functools import cache
 
 import torch
@@ -125,18 +126,38 @@ class NativeLayers:
             linears.append(parts)
         return cls(layers, linears, scales.pop(), function)
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, buffers: list, visible):
+    @staticmethod
+    def pointers(buffers: list, memo: dict | None = None):
+        """The buffers' addresses as decoder.cpp reads them: (keys, values), each an array by layer.
+
+        ``memo``: a dict kept by whoever owns the buffers (lean.LeanCache): the arrays are made again
+        only when a layer's buffers were replaced (the same tuples, the same addresses).
+        """
+        if memo is not None:
+            held = memo.get("buffers")
+            if held is not None and len(held) == len(buffers) and all(map(operator.is_, held, buffers)):
+                return memo["keys"], memo["values"]
+        keys = (_P * len(buffers))(*(b[0].data_ptr() for b in buffers))
+        values = (_P * len(buffers))(*(b[1].data_ptr() for b in buffers))
+        if memo is not None:
+            memo.update(buffers=list(buffers), keys=keys, values=values)
+        return keys, values
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, buffers: list, visible,
+        memo: dict | None = None,
+    ):
         """The decoder layers over ``x`` (batch, rows, hidden) fp32: a new tensor.
 
         cos / sin: (batch or 1, rows, head dim), sin's first half negated (lean.py's tables).
         buffers: per layer (keys, values), contiguous (batch, kv heads, room, head dim), holding ``start``
         cached columns: the pass's keys and values are written at start .. start + rows.
         visible: rowattn.Visible for a masked pass, None for a causal one over the cache.
+        memo: see ``pointers``.
         """
         batch, rows, _ = x.shape
         x = x.clone(memory_format=torch.contiguous_format)  # written in place
-        keys = (_P * len(buffers))(*(b[0].data_ptr() for b in buffers))
-        values = (_P * len(buffers))(*(b[1].data_ptr() for b in buffers))
+        keys, values = self.pointers(buffers, memo)
         cos, sin = cos.contiguous(), sin.contiguous()
         ranges, offsets = (None, None) if visible is None else (visible.ranges.data_ptr(), visible.offsets.data_ptr())
         stride = buffers[0][0].stride()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import exact
+from . import exact, lean
 from .acceptance import accept_prefix
 from .commit import commit_tokens, cut_at_stop_string
 from .compiled import compiled_forward, new_cache, rewind
@@ -173,7 +173,7 @@ def pass_cache(model: PreTrainedModel, length: int, verifying: bool) -> tuple[Ca
     """(cache, compiled forward or None): a model compiled for decoding (compiled.py) runs its MARS / AR passes
     after the prefill compiled, on a static cache of ``length``; verifying passes stay eager on a dynamic one."""
     if verifying:
-        return DynamicCache(config=model.config), None
+        return lean.new_cache(model), None
     return new_cache(model, length), compiled_forward(model)
 
 

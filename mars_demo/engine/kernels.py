@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -441,7 +441,7 @@ def pass_costs(model: PreTrainedModel, widths: range, *, context: int = 128, rep
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     ids = torch.randint(vocab // 4, vocab // 2, (1, context + max(widths)), generator=gen)
-    cache = DynamicCache(config=model.config)
+    cache = lean.new_cache(model)  # the decoding loop's
     times: dict[int, list[float]] = {width: [] for width in widths}
     with torch.inference_mode():
         model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
