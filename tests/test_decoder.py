@@ -128,6 +128,48 @@ def test_the_buffers_grow_crop_and_survive_a_replaced_cache(monkeypatch):
         close(caches[0].layers[1].values, caches[1].layers[1].values)
 
 
+@pytest.mark.parametrize("replace", ["batch_repeat_interleave", "torch_update"])
+def test_a_lean_cache_decodes_as_a_dynamic_cache_does(replace, monkeypatch):
+    """The same bits on either cache through growth past a buffer's room, crops and tensors put in from outside."""
+    lm = int8dyn("llama", True, monkeypatch)
+    model = lm.model
+    assert type(lean.new_cache(model)) is lean.LeanCache
+    ids = torch.randint(10, 300, (1, lean.BUFFER_SLACK + 40))
+    with torch.inference_mode():
+        caches = lean.new_cache(model), DynamicCache(config=model.config)
+        for start, stop in ((0, 30), (30, 31), (31, 35), (35, 200), (200, ids.shape[1])):
+            got, want = (model(input_ids=ids[:, start:stop], past_key_values=c, use_cache=True).logits for c in caches)
+            assert torch.equal(got, want)
+            for cache in caches:
+                cache.crop(-2)
+        lean_layer = caches[0].layers[-1]
+        assert type(lean_layer) is lean.LeanLayer and lean_layer._buffers is not None
+        assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1] - 10
+        assert torch.equal(lean_layer.keys, caches[1].layers[-1].keys)  # views made when read
+        memo = dict(caches[0].native_memo)
+        model(input_ids=ids[:, :1], past_key_values=caches[0], use_cache=True)
+        assert caches[0].native_memo["keys"] is memo["keys"]  # the same buffers: the same address arrays
+        caches[0].crop(-1)
+        for cache in caches:
+            if replace == "batch_repeat_interleave":  # new tensors assigned from outside
+                cache.batch_repeat_interleave(2)
+            else:  # DynamicLayer's own update (transformers' layers): concatenated tensors
+                for layer in cache.layers:
+                    layer.update(layer.keys[:, :, -1:], layer.values[:, :, -1:])
+        assert lean_layer._buffers is None and torch.equal(lean_layer.values, caches[1].layers[-1].values)
+        batch = 2 if replace == "batch_repeat_interleave" else 1
+        fed = torch.tensor([[5, 6]] * batch)
+        got, want = (model(input_ids=fed, past_key_values=c, use_cache=True).logits for c in caches)
+        assert torch.equal(got, want)
+        assert lean_layer._buffers is not None and caches[0].native_memo["keys"] is not memo["keys"]
+
+
+def test_only_the_native_layers_get_a_lean_cache(torch_layers):
+    lm = make_lm("llama")
+    convert(lm.model, "int8dyn")
+    assert type(lean.new_cache(lm.model)) is DynamicCache
+
+
 def test_only_int8dyn_on_the_native_linear_gets_the_native_layers(monkeypatch):
     for path in ("fp32", "int8"):
         lm = make_lm("llama")
