@@ -84,6 +84,21 @@ def test_a_rows_output_does_not_depend_on_the_rows_fed_beside_it(arch, monkeypat
         assert torch.equal(model(input_ids=prompt, use_cache=False).logits, a)
 
 
+def test_the_thread_count_changes_no_bits(monkeypatch):
+    """Every step splits its work over the team, each row, column or (row, head) whole on one thread."""
+    lm = int8dyn("qwen2", True, monkeypatch)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(cached_passes(lm))
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+
+
 def test_a_left_padded_batchs_rows_equal_each_sequence_alone(monkeypatch):
     lm = int8dyn("qwen2", True, monkeypatch)
     model = lm.model

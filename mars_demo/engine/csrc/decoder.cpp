@@ -13,6 +13,11 @@
 // the norms and the SiLU round differently (~1e-6 relative); the RoPE, the residuals and the linears
 // round alike.
 //
+// The whole pass runs in one OpenMP team (torch's threads): each step splits its rows, columns,
+// SiLU chunks or (row, head) units over the team and ends at a barrier, instead of a parallel
+// region for each linear and attention (~150 a pass) with the row-wise steps on one thread between
+// them. Everything a thread computes is computed whole by it, so the split changes no bits.
+//
 // Built at run time by native.py (g++ -O3 -march=native -fopenmp; a * b + c not fused, as in
 // int8_linear.cpp, except in the attention, which is compiled as row_attention.cpp is).
 #include "int8_linear.cpp"
@@ -54,84 +59,149 @@ struct Pass {
   int64_t threads, attention_threads;
 };
 
-// The rows of one step: split over threads only when there are many of them (a prefill).
-constexpr int64_t THREADED_ROWS = 64;
-
-// transformers' RMSNorm of each row: weight * (x * 1 / sqrt(mean(x^2) + eps)).
-void rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out, int64_t threads) {
-#pragma omp parallel for num_threads(threads) if (rows >= THREADED_ROWS)
-  for (int64_t r = 0; r < rows; r++) {
-    const float* xr = x + r * n;
-    v8f lanes = splat(0.0f);
-    int64_t k = 0;
-    for (; k + 8 <= n; k += 8) {
-      const v8f a = load8(xr + k);
-      lanes += a * a;
-    }
-    float sum = hsum8(lanes);
-    for (; k < n; k++) sum += xr[k] * xr[k];
-    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-    float* o = out + r * n;
-    for (k = 0; k < n; k++) o[k] = weight[k] * (xr[k] * inv);
+// transformers' RMSNorm of row x (n floats): weight * (x * 1 / sqrt(mean(x^2) + eps)).
+void rms_norm_row(const float* x, int64_t n, const float* weight, float eps, float* out) {
+  v8f lanes = splat(0.0f);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const v8f a = load8(x + k);
+    lanes += a * a;
   }
+  float sum = hsum8(lanes);
+  for (; k < n; k++) sum += x[k] * x[k];
+  const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+  for (k = 0; k < n; k++) out[k] = weight[k] * (x[k] * inv);
 }
 
-void linear(const Int8Weights& w, const float* x, int64_t rows, float* y, uint8_t* codes, float* row_max,
-            const Pass& p) {
-  code_rows(x, rows, w.in, w.in, p.inverse, codes, row_max);
-  Linear L{codes, row_max, rows, w.in, w.out, w.weight, w.sums, w.scale, w.bias, y};
-  run_linear(L, p.threads);
-}
-
-// x += y, row by row (the residual: one rounding, as torch's add)
-void add_into(float* x, const float* y, int64_t count) {
-  for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
-}
-
-// RoPE on the q and k heads of each row of qkv, in place, then its keys and values into the cache.
-void rope_and_store(const Pass& p, float* qkv, int64_t width, float* keys, float* values) {
+// RoPE on the q and k heads of row r of qkv, in place, then its keys and values into the cache.
+void rope_and_store_row(const Pass& p, int64_t r, float* qkv, int64_t width, float* keys, float* values) {
   const int64_t d = p.dim, half = d / 2, rotated = p.heads + p.kv_heads;
-#pragma omp parallel for num_threads(p.threads) if (p.batch * p.rows >= THREADED_ROWS)
-  for (int64_t r = 0; r < p.batch * p.rows; r++) {
-    const int64_t b = r / p.rows, i = r % p.rows;
-    const float* c = p.cos + b * p.rope_batch_stride + i * d;
-    const float* s = p.sin + b * p.rope_batch_stride + i * d;
-    float* row = qkv + r * width;
-    float turned[512];
-    for (int64_t h = 0; h < rotated; h++) {
-      float* a = row + h * d;
-      for (int64_t t = 0; t < d; t++) turned[t] = a[t < half ? t + half : t - half];
-      for (int64_t t = 0; t < d; t++) a[t] = a[t] * c[t] + turned[t] * s[t];
-    }
-    for (int64_t g = 0; g < p.kv_heads; g++) {
-      const int64_t at = b * p.cache_batch_stride + g * p.cache_head_stride + (p.start + i) * d;
-      memcpy(keys + at, row + (p.heads + g) * d, d * sizeof(float));
-      memcpy(values + at, row + (rotated + g) * d, d * sizeof(float));
-    }
+  const int64_t b = r / p.rows, i = r % p.rows;
+  const float* c = p.cos + b * p.rope_batch_stride + i * d;
+  const float* s = p.sin + b * p.rope_batch_stride + i * d;
+  float* row = qkv + r * width;
+  float turned[512];
+  for (int64_t h = 0; h < rotated; h++) {
+    float* a = row + h * d;
+    for (int64_t t = 0; t < d; t++) turned[t] = a[t < half ? t + half : t - half];
+    for (int64_t t = 0; t < d; t++) a[t] = a[t] * c[t] + turned[t] * s[t];
+  }
+  for (int64_t g = 0; g < p.kv_heads; g++) {
+    const int64_t at = b * p.cache_batch_stride + g * p.cache_head_stride + (p.start + i) * d;
+    memcpy(keys + at, row + (p.heads + g) * d, d * sizeof(float));
+    memcpy(values + at, row + (rotated + g) * d, d * sizeof(float));
   }
 }
 
-// SiLU(gate) * up for each row of gate_up (rows, 2 * n) into act (rows, n)
-void silu_times_up(const float* gate_up, int64_t rows, int64_t n, float* act, int64_t threads) {
-#pragma omp parallel for num_threads(threads) if (rows >= THREADED_ROWS)
-  for (int64_t r = 0; r < rows; r++) {
+// SiLU(gate) * up for chunks from .. to - 1 of the rows of gate_up (rows, 2 * n) into act (rows, n). A
+// row has chunks(n) chunks of VALUE_LANES elements, the last one maybe shorter: an element is always
+// computed the same way (a vector's lane, or the short chunk's scalar loop), whichever thread takes it.
+inline int64_t chunks(int64_t n) { return (n + VALUE_LANES - 1) / VALUE_LANES; }
+
+void silu_times_up(const float* gate_up, int64_t n, float* act, int64_t from, int64_t to) {
+  for (int64_t chunk = from; chunk < to; chunk++) {
+    const int64_t r = chunk / chunks(n), k = chunk % chunks(n) * VALUE_LANES;
     const float* g = gate_up + r * 2 * n;
     const float* u = g + n;
     float* a = act + r * n;
-    int64_t k = 0;
-    for (; k + VALUE_LANES <= n; k += VALUE_LANES) {
+    if (k + VALUE_LANES <= n) {
       vv x, up;
       memcpy(&x, g + k, sizeof(x));
       memcpy(&up, u + k, sizeof(up));
       const vv zero = vv{} + 0.0f, one = vv{} + 1.0f;
       const vv e = exp_lanes<vv, vvi>(x < zero ? x : -x);  // exp(-|x|): never overflows
-      const vv r = one / (one + e);
-      const vv sigmoid = x < zero ? e * r : r;
+      const vv q = one / (one + e);
+      const vv sigmoid = x < zero ? e * q : q;
       const vv out = (x * sigmoid) * up;
       memcpy(a + k, &out, sizeof(out));
+    } else {
+      for (int64_t j = k; j < n; j++) a[j] = (g[j] * (1.0f / (1.0f + expf(-g[j])))) * u[j];
     }
-    for (; k < n; k++) a[k] = (g[k] * (1.0f / (1.0f + expf(-g[k])))) * u[k];
   }
+}
+
+// This thread's share [from, to) of n items split evenly over the team (nothing outside a team)
+struct Share {
+  int64_t t, team;
+  void of(int64_t n, int64_t* from, int64_t* to) const {
+    *from = n * t / team;
+    *to = n * (t + 1) / team;
+  }
+};
+
+inline void barrier() {
+#if defined(_OPENMP)
+#pragma omp barrier
+#endif
+}
+
+// One thread's part of the pass: every step splits its rows, columns or (row, head) units over the
+// team and ends at a barrier. A row's norm, coding, RoPE and residuals, a column's sums and a
+// (row, head)'s attention are each computed whole by one thread, so how the work is split changes
+// no bits.
+int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& me, float* h, float* wide,
+             float* act, float* y, uint8_t* codes, float* row_max) {
+  const int64_t rows = p.batch * p.rows, H = p.hidden;
+  int failed = 0;
+  int64_t r0, r1;
+  me.of(rows, &r0, &r1);
+  // a linear's sums over this thread's tiles, its inputs coded beforehand
+  auto tiles_of = [&](const Int8Weights& w, float* out) {
+    const Linear L{codes, row_max, rows, w.in, w.out, w.weight, w.sums, w.scale, w.bias, out};
+    int64_t from, to;
+    me.of(padded(w.out, TILE) / TILE, &from, &to);
+    tiles(L, from, to);
+  };
+  auto code = [&](const float* x, int64_t in) {
+    for (int64_t r = r0; r < r1; r++)
+      code_rows(x + r * in, 1, in, in, p.inverse, codes + r * padded(in, DEPTH), row_max + r);
+  };
+  for (int64_t l = 0; l < n_layers; l++) {
+    const Layer& L = layers[l];
+    for (int64_t r = r0; r < r1; r++) rms_norm_row(p.x + r * H, H, L.norm1, L.eps1, h + r * H);
+    code(h, L.qkv.in);
+    barrier();
+    tiles_of(L.qkv, wide);
+    barrier();
+    for (int64_t r = r0; r < r1; r++) rope_and_store_row(p, r, wide, L.qkv.out, p.keys[l], p.values[l]);
+    barrier();
+    // q read in place from the q/k/v rows: (batch, heads, rows, dim) by strides
+    const Call c = {wide, p.rows * L.qkv.out, p.dim, L.qkv.out,
+                    p.keys[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
+                    p.values[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
+                    act, p.batch, p.heads, p.kv_heads, p.rows, p.start + p.rows, p.dim, p.ranges, p.offsets, p.scale};
+    const int64_t units = rows * p.heads, team = p.attention_threads < me.team ? p.attention_threads : me.team;
+    if (me.t < team) failed |= run_units(&c, units * me.t / team, units * (me.t + 1) / team);
+    barrier();
+    code(act, L.o.in);
+    barrier();
+    tiles_of(L.o, y);
+    barrier();
+    for (int64_t r = r0; r < r1; r++) {
+      float* x = p.x + r * H;
+      for (int64_t k = 0; k < H; k++) x[k] = x[k] + y[r * H + k];  // the residual: one rounding, as torch's add
+      rms_norm_row(x, H, L.norm2, L.eps2, h + r * H);
+    }
+    code(h, L.gate_up.in);
+    barrier();
+    tiles_of(L.gate_up, wide);
+    barrier();
+    const int64_t n = L.gate_up.out / 2;
+    int64_t c0, c1;
+    me.of(rows * chunks(n), &c0, &c1);
+    silu_times_up(wide, n, act, c0, c1);
+    barrier();
+    code(act, L.down.in);
+    barrier();
+    tiles_of(L.down, y);
+    barrier();
+    for (int64_t r = r0; r < r1; r++) {
+      float* x = p.x + r * H;
+      for (int64_t k = 0; k < H; k++) x[k] = x[k] + y[r * H + k];
+    }
+    barrier();
+  }
+  return failed;
 }
 
 int run(const Pass& p, const Layer* layers, int64_t n_layers) {
@@ -153,24 +223,16 @@ int run(const Pass& p, const Layer* layers, int64_t n_layers) {
   uint8_t* codes = (uint8_t*)malloc(rows * padded(widest_in, DEPTH) + 1);
   float* row_max = (float*)malloc(sizeof(float) * (rows + 1));
   int failed = !h || !wide || !act || !y || !codes || !row_max;
-  for (int64_t l = 0; l < n_layers && !failed; l++) {
-    const Layer& L = layers[l];
-    rms_norm(p.x, rows, H, L.norm1, L.eps1, h, p.threads);
-    linear(L.qkv, h, rows, wide, codes, row_max, p);
-    rope_and_store(p, wide, L.qkv.out, p.keys[l], p.values[l]);
-    // q read in place from the q/k/v rows: (batch, heads, rows, dim) by strides
-    const Call c = {wide, p.rows * L.qkv.out, p.dim, L.qkv.out,
-                    p.keys[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
-                    p.values[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
-                    act, p.batch, p.heads, p.kv_heads, p.rows, p.start + p.rows, p.dim, p.ranges, p.offsets, p.scale};
-    failed |= attend_all(&c, p.attention_threads);
-    linear(L.o, act, rows, y, codes, row_max, p);
-    add_into(p.x, y, rows * H);
-    rms_norm(p.x, rows, H, L.norm2, L.eps2, h, p.threads);
-    linear(L.gate_up, h, rows, wide, codes, row_max, p);
-    silu_times_up(wide, rows, L.gate_up.out / 2, act, p.threads);
-    linear(L.down, act, rows, y, codes, row_max, p);
-    add_into(p.x, y, rows * H);
+  if (!failed) {
+#if defined(_OPENMP)
+    // one team for the whole pass (torch's own OpenMP threads): a barrier between steps instead of
+    // a parallel region each, and the row-wise steps split too
+#pragma omp parallel num_threads(p.threads) reduction(| : failed)
+    failed |= run_part(p, layers, n_layers, Share{omp_get_thread_num(), omp_get_num_threads()}, h, wide, act, y,
+                       codes, row_max);
+#else
+    failed = run_part(p, layers, n_layers, Share{0, 1}, h, wide, act, y, codes, row_max);
+#endif
   }
   free(h);
   free(wide);
