@@ -182,9 +182,12 @@ def test_generated_text_is_escaped(tiny_qwen):
     ({"MARS_DEMO_LIVE_ROWS": "0"}, "MARS_DEMO_LIVE_ROWS must be 1-16"),
     ({"MARS_DEMO_LIVE_QUEUE": "many"}, "MARS_DEMO_LIVE_QUEUE 0-64"),
     ({"MARS_DEMO_LIVE_POLICY": "turbo"}, "unknown policy 'turbo'"),
+    ({"MARS_DEMO_LIVE_PACE": "slow"}, "MARS_DEMO_LIVE_PACE must be 0-1 seconds"),
+    ({"MARS_DEMO_LIVE_PACE": "5"}, "MARS_DEMO_LIVE_PACE must be 0-1 seconds"),
 ])
 def test_bad_live_settings_fail_at_start_with_one_line(env, message):
     with pytest.raises(ValueError, match=message):
         batches_from_env(env)
     batches = batches_from_env({"MARS_DEMO_LIVE_ROWS": "2", "MARS_DEMO_LIVE_POLICY": "fixed:0.9"})
-    assert (batches.config.max_batch, batches.max_queue, batches.policy) == (2, 4, "fixed:0.9")
+    assert (batches.config.max_batch, batches.max_queue, batches.policy, batches.pace) == (2, 4, "fixed:0.9", 0.0)
+    assert batches_from_env({"MARS_DEMO_LIVE_PACE": "0.05"}).pace == 0.05

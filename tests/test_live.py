@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
 
 import pytest
 import torch
@@ -176,6 +177,20 @@ def test_the_worker_retires_when_idle_and_the_registry_makes_a_new_one(tiny_llam
     assert first.retired and batches.batches() == []
     again = batches.submit(tiny_llama, ids(tiny_llama, 0), owner="x")
     assert drain(again)[-1].status == "done" and batches.batches() != [first]
+
+
+def test_a_paced_batch_spaces_its_passes_and_decodes_the_same(tiny_llama):
+    batches = SharedBatches(ServeConfig(max_batch=2, max_new_tokens=6), policy="fixed:1.0", idle=5.0, pace=0.05)
+    started = time.monotonic()
+    updates = drain(batches.submit(tiny_llama, ids(tiny_llama, 0), owner="x"))
+    elapsed = time.monotonic() - started
+    passes = len(batches.batches()[0].passes)
+    assert updates[-1].status == "done" and passes >= 2
+    assert elapsed >= 0.05 * (passes - 1)  # each pass starts a pace after the one before at the soonest
+    tokens, taus = tokens_and_taus(updates)
+    assert tokens == alone(tiny_llama, ids(tiny_llama, 0), taus, max_new=6)
+    with pytest.raises(ValueError, match="pace must be 0-1 seconds"):
+        SharedBatches(ServeConfig(), pace=2.0)
 
 
 def test_the_registry_keeps_the_configured_mode_and_takes_the_models_block_size(tiny_llama):

@@ -132,13 +132,18 @@ class SharedBatch:
 
     def __init__(
         self, model, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
-        policy: Policy | None = None, max_queue: int = 4, idle: float = 10.0, on_retire=None,
+        policy: Policy | None = None, max_queue: int = 4, idle: float = 10.0, pace: float = 0.0, on_retire=None,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max queue must be at least 0, got {max_queue}")
+        if not 0 <= pace <= 1:
+            raise ValueError(f"pace must be 0-1 seconds, got {pace}")
         self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
         self.config, self.policy = config, policy or parse_policy(LIVE_POLICY)
         self.max_queue, self.idle, self._on_retire = max_queue, idle, on_retire
+        # seconds from one pass's start to the next at least (0: as fast as it decodes): on a fast CPU a
+        # 96-token answer streams in half a second; a pace lets visitors watch it stream
+        self.pace = pace
         self.passes: deque[LivePass] = deque(maxlen=HISTORY)
         self.retired = False  # the worker went idle and this batch takes no more requests (SharedBatches)
         self._cond = threading.Condition()  # guards the inbox, the cancellations, the requests in flight
@@ -221,11 +226,14 @@ class SharedBatch:
                     self._thread, self._loop, self.retired = None, None, True
                     break
                 self._cond.wait_for(lambda: not self._pausing)
+            started = time.monotonic()
             with self._step, torch.inference_mode():
                 with self._cond:
                     inbox, self._inbox = self._inbox, []
                     cancels, self._cancels = self._cancels, set()
                 self._iterate(inbox, cancels)
+            if self.pace > 0:  # outside the step: ``paused`` and new requests get in meanwhile
+                time.sleep(max(0.0, self.pace - (time.monotonic() - started)))
         if self._on_retire is not None:
             self._on_retire(self)
 
@@ -294,9 +302,12 @@ class SharedBatches:
 
     def __init__(
         self, config: ServeConfig, *, policy: str = LIVE_POLICY, max_queue: int = 4, idle: float = 10.0,
+        pace: float = 0.0,
     ) -> None:
         parse_policy(policy)  # a bad spec fails here, once
-        self.config, self.policy, self.max_queue, self.idle = config, policy, max_queue, idle
+        if not 0 <= pace <= 1:
+            raise ValueError(f"pace must be 0-1 seconds, got {pace}")
+        self.config, self.policy, self.max_queue, self.idle, self.pace = config, policy, max_queue, idle, pace
         self._batches: dict[int, SharedBatch] = {}
         self._lock = threading.Lock()
 
@@ -323,7 +334,7 @@ class SharedBatches:
     def _new(self, lm: LoadedModel) -> SharedBatch:
         config = replace(self.config, block_size=lm.meta.block_size)  # the model's block size; the rest as set
         return SharedBatch.of(lm, config, policy=parse_policy(self.policy), max_queue=self.max_queue, idle=self.idle,
-                              on_retire=self._retire)
+                              pace=self.pace, on_retire=self._retire)
 
     def _retire(self, batch: SharedBatch) -> None:
         with self._lock:

@@ -58,15 +58,24 @@ class LiveState:
 
 
 def batches_from_env(env: Mapping[str, str] = os.environ) -> SharedBatches:
-    """The shared batches with MARS_DEMO_LIVE_ROWS (default 4), _QUEUE (4) and _POLICY (engine.live.LIVE_POLICY)."""
+    """The shared batches with MARS_DEMO_LIVE_ROWS (default 4), _QUEUE (4), _POLICY (engine.live.LIVE_POLICY)
+    and _PACE (0: seconds a pass takes at least)."""
     rows, waiting = env.get("MARS_DEMO_LIVE_ROWS", "4"), env.get("MARS_DEMO_LIVE_QUEUE", "4")
     if not (rows.isdigit() and 1 <= int(rows) <= 16 and waiting.isdigit() and int(waiting) <= 64):
         raise ValueError(
             f"MARS_DEMO_LIVE_ROWS must be 1-16 and MARS_DEMO_LIVE_QUEUE 0-64, got {rows!r} and {waiting!r}"
         )
+    pace = env.get("MARS_DEMO_LIVE_PACE", "0")
+    try:
+        seconds = float(pace)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 1:
+        raise ValueError(f"MARS_DEMO_LIVE_PACE must be 0-1 seconds, got {pace!r}")
     rows, waiting = int(rows), int(waiting)
     return SharedBatches(ServeConfig(max_batch=rows, max_new_tokens=LIVE_NEW_TOKENS),
-                         policy=env.get("MARS_DEMO_LIVE_POLICY", LIVE_POLICY), max_queue=waiting, idle=30.0)
+                         policy=env.get("MARS_DEMO_LIVE_POLICY", LIVE_POLICY), max_queue=waiting, idle=30.0,
+                         pace=seconds)
 
 
 class LiveView:
