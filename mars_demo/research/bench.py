@@ -395,7 +395,7 @@ def run_group(
     for turn, chunk in enumerate(_chunks(prompts, size)):
         first = turn % len(group)
         for job in group[first:] + group[:first]:
-            outcomes[job].add(run_job(lm, job, list(chunk), config, config.max_new_tokens, tick))
+            outcomes[job].add(run_job(lm, job, chunk, config, config.max_new_tokens, tick))
     return outcomes
 
 

@@ -156,6 +156,10 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
     for (int64_t r = r0; r < r1; r++)
       code_rows(x + r * in, 1, in, in, p.inverse, codes + r * padded(in, DEPTH), row_max + r);
   };
+  auto add_residual = [&](int64_t r) {  // x += y on row r: one rounding, as torch's add
+    float* x = p.x + r * H;
+    for (int64_t k = 0; k < H; k++) x[k] = x[k] + y[r * H + k];
+  };
   for (int64_t l = 0; l < n_layers; l++) {
     const Layer& L = layers[l];
     for (int64_t r = r0; r < r1; r++) rms_norm_row(p.x + r * H, H, L.norm1, L.eps1, h + r * H);
@@ -170,17 +174,20 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
                     p.keys[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
                     p.values[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
                     act, p.batch, p.heads, p.kv_heads, p.rows, p.start + p.rows, p.dim, p.ranges, p.offsets, p.scale};
-    const int64_t units = rows * p.heads, team = p.attention_threads < me.team ? p.attention_threads : me.team;
-    if (me.t < team) failed |= run_units(&c, units * me.t / team, units * (me.t + 1) / team);
+    const Share attending{me.t, p.attention_threads < me.team ? p.attention_threads : me.team};
+    if (me.t < attending.team) {
+      int64_t from, to;
+      attending.of(rows * p.heads, &from, &to);
+      failed |= run_units(&c, from, to);
+    }
     barrier();
     code(act, L.o.in);
     barrier();
     tiles_of(L.o, y);
     barrier();
     for (int64_t r = r0; r < r1; r++) {
-      float* x = p.x + r * H;
-      for (int64_t k = 0; k < H; k++) x[k] = x[k] + y[r * H + k];  // the residual: one rounding, as torch's add
-      rms_norm_row(x, H, L.norm2, L.eps2, h + r * H);
+      add_residual(r);
+      rms_norm_row(p.x + r * H, H, L.norm2, L.eps2, h + r * H);
     }
     code(h, L.gate_up.in);
     barrier();
@@ -195,10 +202,7 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
     barrier();
     tiles_of(L.down, y);
     barrier();
-    for (int64_t r = r0; r < r1; r++) {
-      float* x = p.x + r * H;
-      for (int64_t k = 0; k < H; k++) x[k] = x[k] + y[r * H + k];
-    }
+    for (int64_t r = r0; r < r1; r++) add_residual(r);
     barrier();
   }
   return failed;
