@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mars_demo.engine import exact, kernels, rowattn
+from mars_demo.engine import exact, kernels, native, rowattn
 
 from conftest import PROMPTS, make_lm
 
@@ -42,27 +44,51 @@ def additive(allowed):
     return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
 
 
+# (heads, kv heads): SmolLM2's groups of 3, and groups of 8 that the values take in blocks of heads
+GROUPS = [(9, 3), (16, 2)]
+
+
 @needs_kernel
 @pytest.mark.parametrize("dim", [64, 128, 12])  # the two unrolled head sizes and the generic loop
 @pytest.mark.parametrize("keys", [1, 7, 203])
-def test_the_kernel_agrees_with_sdpa(dim, keys):
+@pytest.mark.parametrize("heads,kv_heads", GROUPS)
+def test_the_kernel_agrees_with_sdpa(dim, keys, heads, kv_heads):
     rows = min(5, keys)
-    q, k, v = tensors(rows=rows, keys=keys, dim=dim)
+    q, k, v = tensors(heads=heads, kv_heads=kv_heads, rows=rows, keys=keys, dim=dim)
     out = rowattn.attend(rowattn.kernel(), q, k, v, None)
     torch.testing.assert_close(out, sdpa_rows(q, k, v, causal(1, rows, keys)), atol=2e-6, rtol=1e-5)
 
 
 @needs_kernel
-@pytest.mark.parametrize("dim", [64, 12])
-def test_a_row_is_bit_for_bit_the_same_alone_and_among_others(dim, monkeypatch):
-    q, k, v = tensors(rows=8, keys=130, dim=dim)
+@pytest.mark.parametrize("dim", [64, 128, 12])
+@pytest.mark.parametrize("heads,kv_heads", GROUPS)
+def test_a_row_is_bit_for_bit_the_same_alone_and_among_others(dim, heads, kv_heads, monkeypatch):
+    q, k, v = tensors(heads=heads, kv_heads=kv_heads, rows=8, keys=130, dim=dim)
     together = rowattn.attend(rowattn.kernel(), q, k, v, 0.3)
-    monkeypatch.setattr(rowattn, "THREADED_WORK", 0)  # rows split over two threads
-    assert torch.equal(rowattn.attend(rowattn.kernel(), q, k, v, 0.3), together)
+    monkeypatch.setattr(rowattn, "THREADED_WORK", 0)  # rows split over the threads
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 3):  # three threads split a row's heads, and a key group's, at uneven places
+            torch.set_num_threads(n)
+            assert torch.equal(rowattn.attend(rowattn.kernel(), q, k, v, 0.3), together), n
+    finally:
+        torch.set_num_threads(threads)
     first = 130 - 8 + 1
     for i in range(8):
         alone = rowattn.attend(rowattn.kernel(), q[:, :, i : i + 1], k[:, :, : first + i], v[:, :, : first + i], 0.3)
         assert torch.equal(alone[0, 0], together[0, i]), i
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 128])
+def test_an_avx2_build_gives_the_same_bits(dim, tmp_path, monkeypatch):
+    """AVX2 sums 8 values a vector and one head's at a time, AVX-512 16 and several heads': same bits."""
+    monkeypatch.setattr(native, "TUNE", ("-march=native", "-mno-avx512f"))
+    function = ctypes.CDLL(str(native.build("row_attention", native.compiler(), tmp_path))).row_attention
+    function.argtypes, function.restype = rowattn.kernel().argtypes, ctypes.c_int
+    for heads, kv_heads in GROUPS:
+        q, k, v = tensors(heads=heads, kv_heads=kv_heads, rows=6, keys=77, dim=dim)
+        assert torch.equal(rowattn.attend(function, q, k, v, 0.3), rowattn.attend(rowattn.kernel(), q, k, v, 0.3))
 
 
 @needs_kernel

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "int8", "int8dyn")
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
 # Bumped when a path's kernels change, so cached cost tables are measured again.
-KERNELS_VERSION = 11
+KERNELS_VERSION = 12
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15

@@ -136,7 +136,8 @@ inline void barrier() {
 }
 
 // One thread's part of the pass: every step splits its rows, columns or (row, head) units over the
-// team and ends at a barrier. A row's norm, coding, RoPE and residuals, a column's sums and a
+// team and ends at a barrier (but a layer's last residual, which the next layer's norm takes up on
+// the same rows). A row's norm, coding, RoPE and residuals, a column's sums and a
 // (row, head)'s attention are each computed whole by one thread, so how the work is split changes
 // no bits.
 int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& me, float* h, float* wide,
@@ -202,8 +203,8 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
     barrier();
     tiles_of(L.down, y);
     barrier();
+    // the residual, then (next layer) the norm: both this thread's rows, so no barrier between
     for (int64_t r = r0; r < r1; r++) add_residual(r);
-    barrier();
   }
   return failed;
 }

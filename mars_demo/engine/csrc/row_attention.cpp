@@ -43,15 +43,54 @@ static inline float dot(const float* q, const float* k, int64_t d) {
   return s;
 }
 
-// Keys whose values a key group's heads take in turn while they stay in L1 (64 keys of 128 floats: 32 KB)
-constexpr int64_t VALUE_CHUNK = 64;
 constexpr int64_t MAX_TOGETHER = 64;  // heads of a key group taken together at most
+
+// Heads whose value sums a thread keeps in registers at once: up to 24 vectors of sums on AVX-512
+// (32 registers), 12 on AVX2 (16), at least one head; a head's sums are D8 * 8 / VALUE_LANES vectors.
+constexpr int64_t VALUE_REGISTERS = VALUE_LANES == 16 ? 24 : 12;
+template <int D8>
+constexpr int64_t HEAD_BLOCK = VALUE_REGISTERS / (D8 * 8 / VALUE_LANES) > 1 ? VALUE_REGISTERS / (D8 * 8 / VALUE_LANES) : 1;
+
+// The weighted values of NH heads (scores p, a head's stride apart; outputs d floats apart) over
+// the visible keys, key by key from zero: each head's sums exactly as it would make them alone.
+template <int D8, int NH>
+static inline void weigh_values_n(const float* p, int64_t stride, float* out, int64_t d, const float* v,
+                                  int64_t vs, const int64_t* ranges, int64_t n_ranges) {
+  constexpr int N = D8 * 8 / VALUE_LANES;
+  vv acc[NH][N];
+  for (int h = 0; h < NH; h++)
+    for (int u = 0; u < N; u++) acc[h][u] = vv{};
+  int64_t at = 0;
+  for (int64_t g = 0; g < n_ranges; g++)
+    for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
+      const float* vj = v + j * vs;
+      for (int u = 0; u < N; u++) {
+        vv value;
+        memcpy(&value, vj + VALUE_LANES * u, sizeof(value));
+        for (int h = 0; h < NH; h++) acc[h][u] += (p[h * stride + at] - vv{}) * value;  // p: x - 0 is x
+      }
+    }
+  for (int h = 0; h < NH; h++)
+    for (int u = 0; u < N; u++) memcpy(out + h * d + VALUE_LANES * u, &acc[h][u], sizeof(vv));
+}
+
+template <int D8>
+static void weigh_values(int64_t n, const float* p, int64_t stride, float* out, int64_t d, const float* v,
+                         int64_t vs, const int64_t* ranges, int64_t n_ranges) {
+  switch (n) {
+#define HEADS(k) \
+  case k: \
+    if constexpr (k <= HEAD_BLOCK<D8>) return weigh_values_n<D8, k>(p, stride, out, d, v, vs, ranges, n_ranges);
+    HEADS(1) HEADS(2) HEADS(3) HEADS(4) HEADS(5) HEADS(6)
+#undef HEADS
+  }
+}
 
 // One row, heads h0 .. h1 - 1: q row (b, i) over its visible keys. D8: dim / 8 when the dim is 64 or
 // 128 (the accumulators stay in registers), 0 for any dim. A model always takes the same branch.
 //
 // The heads that share a key group (GQA) are taken together: each block of eight keys is scored
-// for all of them while it is in L1, and the values are read a chunk at a time for all of them, so
+// for all of them while it is in L1, and each value vector is loaded once for a block of them, so
 // the keys and values come from L2 once for the group, not once a head. Each head's arithmetic is
 // the one it would do alone, in the same order (partial sums stored and reloaded are exact), so
 // which heads a thread takes together changes no bits.
@@ -145,39 +184,25 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
       }
       inv[h - first] = 1.0f / hsum8(lanes);
     }
-    // values, key by key, a chunk of keys at a time for every head of the group; a head's sums wait
-    // in its output between chunks
-    for (int64_t h = first; h < last; h++) memset(output(h), 0, d * sizeof(float));
-    int64_t at = 0;
-    for (int64_t g = 0; g < n_ranges; g++) {
-      for (int64_t from = ranges[2 * g]; from < ranges[2 * g + 1]; from += VALUE_CHUNK) {
-        const int64_t to = from + VALUE_CHUNK < ranges[2 * g + 1] ? from + VALUE_CHUNK : ranges[2 * g + 1];
-        for (int64_t h = first; h < last; h++) {
-          const float* p = scores + (h - first) * stride + at;
-          float* out = output(h);
-          if (D8 > 0) {
-            constexpr int N = D8 * 8 / VALUE_LANES;
-            vv acc[N > 0 ? N : 1];
-            for (int u = 0; u < N; u++) memcpy(&acc[u], out + VALUE_LANES * u, sizeof(vv));
-            for (int64_t j = from; j < to; j++) {
-              const float* vj = vbase + j * c->vs;
-              const vv pj = vv{} + p[j - from];
-              for (int u = 0; u < N; u++) {
-                vv value;
-                memcpy(&value, vj + VALUE_LANES * u, sizeof(value));
-                acc[u] += pj * value;
-              }
-            }
-            for (int u = 0; u < N; u++) memcpy(out + VALUE_LANES * u, &acc[u], sizeof(vv));
-          } else {
-            for (int64_t j = from; j < to; j++) {
-              const float* vj = vbase + j * c->vs;
-              const float pj = p[j - from];
-              for (int64_t t = 0; t < d; t++) out[t] += pj * vj[t];
-            }
+    // values, key by key: a block of the group's heads at a time, their sums in registers, each
+    // value vector loaded once for the block (independent chains: one head's few alone would wait
+    // on each other's latency)
+    if constexpr (D8 > 0) {
+      for (int64_t h = first; h < last; h += HEAD_BLOCK<D8>) {
+        const int64_t n = last - h < HEAD_BLOCK<D8> ? last - h : HEAD_BLOCK<D8>;
+        weigh_values<D8>(n, scores + (h - first) * stride, stride, output(h), d, vbase, c->vs, ranges, n_ranges);
+      }
+    } else {
+      for (int64_t h = first; h < last; h++) {
+        const float* p = scores + (h - first) * stride;
+        float* out = output(h);
+        memset(out, 0, d * sizeof(float));
+        int64_t at = 0;
+        for (int64_t g = 0; g < n_ranges; g++)
+          for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
+            const float* vj = vbase + j * c->vs;
+            for (int64_t t = 0; t < d; t++) out[t] += p[at] * vj[t];
           }
-        }
-        at += to - from;
       }
     }
     for (int64_t h = first; h < last; h++) {
