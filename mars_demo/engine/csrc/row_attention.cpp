@@ -67,7 +67,7 @@ static inline void weigh_values_n(const float* p, int64_t stride, float* out, in
       for (int u = 0; u < N; u++) {
         vv value;
         memcpy(&value, vj + VALUE_LANES * u, sizeof(value));
-        for (int h = 0; h < NH; h++) acc[h][u] += (p[h * stride + at] - vv{}) * value;  // p: x - 0 is x
+        for (int h = 0; h < NH; h++) acc[h][u] += (p[h * stride + at] - vv{}) * value;  // the score in every lane (x - 0 is x)
       }
     }
   for (int h = 0; h < NH; h++)
