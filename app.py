@@ -19,6 +19,8 @@ MARS_DEMO_TRACE_DIR (the trace folder), MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_
 bound on trace files: count and seconds), MARS_DEMO_SESSIONS (sessions whose state Gradio keeps),
 MARS_DEMO_MEMORY_MARGIN_MB (memory a model load must leave free), MARS_DEMO_MALLOC_TRIM,
 MARS_DEMO_PRECISION (the sidebar's first compute path on a CPU: auto, fp32, bf16 or int8),
+MARS_DEMO_THREADS (torch threads for decoding; auto: one core left to the browser when served
+only on this machine),
 MARS_DEMO_VIEW_EVERY / MARS_DEMO_VIEW_SETTLE / MARS_DEMO_CHART_EVERY (how often a race is shown:
 ui/race.py, LaneCadence).
 
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import gradio as gr
+import torch
 
 from mars_demo.engine.config import METRICS, RANGES, DecodeConfig
 from mars_demo.engine.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
@@ -49,7 +52,7 @@ from mars_demo.ui.handlers import (
     empty_figures,
 )
 from mars_demo.ui.live import LIVE_CSS, LIVE_OUTPUTS, LiveHandlers, LiveState, live_cleanup
-from mars_demo.ui.models import COMPUTE_CHOICES, Loader, ModelPolicy, default_compute_path
+from mars_demo.ui.models import COMPUTE_CHOICES, Loader, ModelPolicy, decoding_threads, default_compute_path
 from mars_demo.ui.race import VIEW_EVERY, VIEW_SETTLE, Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
 from mars_demo.ui.serving import (
@@ -407,6 +410,12 @@ def launch_options(env: dict[str, str] = os.environ) -> dict:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    threads, problem = decoding_threads()  # before the first load: auto measures on these threads
+    if problem:
+        logger.warning("%s", problem)
+    if threads is not None:
+        torch.set_num_threads(threads)
+        logger.info("decoding on %d torch threads (MARS_DEMO_THREADS; README, \"Hosting\")", threads)
     demo.launch(**launch_options())
 
 

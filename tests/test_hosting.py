@@ -26,7 +26,7 @@ from mars_demo.engine.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadE
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import BUSY, MODEL_OUTPUTS, RACE_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.messages import error, for_client, is_api, sentence
-from mars_demo.ui.models import ModelBusy, ModelCache, ModelPolicy, ModelRefused, model_choices
+from mars_demo.ui.models import ModelBusy, ModelCache, ModelPolicy, ModelRefused, decoding_threads, model_choices
 from mars_demo.ui.race import RaceTrace, Session
 from mars_demo.ui.traces import TraceStore, stem
 
@@ -143,6 +143,22 @@ def test_policy_from_the_environment():
     with pytest.raises(ModelRefused) as err:
         hosted.check("me/ckpt-c")
     assert str(err.value) == hosted.refusal
+
+
+def test_decoding_threads_leave_a_local_browser_a_core():
+    local = {"GRADIO_SERVER_NAME": "127.0.0.1"}
+    assert decoding_threads(local, threads=2, gpu=False) == (1, "")
+    assert decoding_threads({}, threads=8, gpu=False) == (7, "")
+    assert decoding_threads(local, threads=1, gpu=False) == (None, "")  # one core: nothing to leave
+    for hosted in ({"SPACE_ID": "me/mars"}, {"GRADIO_SERVER_NAME": "0.0.0.0"}):
+        assert decoding_threads(hosted, threads=8, gpu=False) == (None, "")  # the browser is elsewhere
+    assert decoding_threads(local, threads=8, gpu=True) == (None, "")
+    assert decoding_threads({**local, "OMP_NUM_THREADS": "8"}, threads=8, gpu=False) == (None, "")
+    assert decoding_threads({"SPACE_ID": "me/mars", "MARS_DEMO_THREADS": "3"}, threads=8, gpu=False) == (3, "")
+    assert decoding_threads({"MARS_DEMO_THREADS": " Auto "}, threads=4, gpu=False) == (3, "")
+    for bad in ("0", "-2", "two", "1.5"):
+        threads, note = decoding_threads({"MARS_DEMO_THREADS": bad}, threads=4, gpu=False)
+        assert threads == 3 and note.startswith("MARS_DEMO_THREADS must be auto or a number") and repr(bad) in note
 
 
 # -- models in use stay ----------------------------------------------------------------------

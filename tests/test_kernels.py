@@ -303,3 +303,5 @@ def test_int8dyn_prefill_rows_do_not_depend_on_the_masks_fed_after_them():
 def test_the_summary_shows_short_passes_to_a_tenth_of_a_ms():
     line = kernels.ComputePath("int8dyn", "auto", costs_ms={1: 5.38, 4: 6.19, 8: 43.55}, max_fed=3).summary()
     assert line == "int8dyn (auto), up to 3 tokens fed per pass; ms per pass by tokens fed 1:5.4 4:6.2 8:44"
+    one = kernels.ComputePath("int8dyn", "auto", costs_ms={1: 5.38}, max_fed=3, threads=1).summary()
+    assert one.endswith("1:5.4 on 1 thread")

@@ -425,7 +425,8 @@ class ComputePath:
         how = ""
         if self.requested == "auto":
             how = " (auto)" if self.rows == 1 else f" (auto, for batches of {self.rows})"
-        return f"{self.path}{how}{cap}; ms per pass by tokens fed {curve}"
+        threads = f" on {self.threads} thread{'s' if self.threads > 1 else ''}" if self.threads else ""
+        return f"{self.path}{how}{cap}; ms per pass by tokens fed {curve}{threads}"
 
     def record(self) -> dict:
         return asdict(self)

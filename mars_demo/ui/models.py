@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from ..engine.kernels import PRECISION_ENV, PRECISIONS, check_precision
 from ..engine.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
 
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 Loader = Callable[[str, str | None], LoadedModel]  # (spec, precision) -> model on that compute path
 Key = tuple[str, str | None]  # (spec, precision): one entry per checkpoint and compute path
 LOCAL_HOSTS = ("", "127.0.0.1", "localhost", "::1")
+THREADS_ENV = "MARS_DEMO_THREADS"
 
 
 class ModelRefused(ValueError):
@@ -45,6 +48,35 @@ class ModelRefused(ValueError):
 
 class ModelBusy(RuntimeError):
     """Every model slot is in use by a run: loading another would drop a model someone is decoding with."""
+
+
+def is_hosted(env: Mapping[str, str] = os.environ) -> bool:
+    """A Space, or a server bound beyond this machine (GRADIO_SERVER_NAME not a local address)."""
+    return bool(env.get("SPACE_ID")) or env.get("GRADIO_SERVER_NAME", "") not in LOCAL_HOSTS
+
+
+def decoding_threads(
+    env: Mapping[str, str] = os.environ, threads: int | None = None, gpu: bool | None = None
+) -> tuple[int | None, str]:
+    """The torch threads the app decodes on (None: leave torch's count), and why a set value was not used.
+
+    MARS_DEMO_THREADS: a number of threads, or auto (the default). Auto, served only on this machine
+    (not hosted, see ``is_hosted``) on a CPU: every visitor's browser runs on the same cores, and a
+    decoding team on all of them waits at its barriers whenever the browser takes one, a cost per
+    pass that flatters the race's side with more tokens a pass; so one core is left to the browser
+    (BENCHMARKS.md, "Browser race, session 19"). Hosted, on a GPU or with OMP_NUM_THREADS set,
+    torch's count (``threads``, default ``torch.get_num_threads()``) stands.
+    """
+    raw, note = env.get(THREADS_ENV, "").strip(), ""
+    if raw and raw.lower() != "auto":
+        if raw.isdigit() and 1 <= int(raw) <= 1024:
+            return int(raw), ""
+        note = f"{THREADS_ENV} must be auto or a number of threads from 1, got {raw!r}; using auto"
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    if is_hosted(env) or gpu or env.get("OMP_NUM_THREADS"):
+        return None, note
+    threads = threads or torch.get_num_threads()
+    return (threads - 1 if threads > 1 else None), note
 
 
 def is_online(env: Mapping[str, str] = os.environ) -> bool:
@@ -74,8 +106,7 @@ class ModelPolicy:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> ModelPolicy:
         extra = tuple(s.strip() for s in env.get("MARS_DEMO_EXTRA_MODELS", "").split(",") if s.strip())
-        hosted = bool(env.get("SPACE_ID")) or env.get("GRADIO_SERVER_NAME", "") not in LOCAL_HOSTS
-        free = env.get("MARS_DEMO_ANY_MODEL", "0" if hosted else "1").lower() in ("1", "true", "yes", "on")
+        free = env.get("MARS_DEMO_ANY_MODEL", "0" if is_hosted(env) else "1").lower() in ("1", "true", "yes", "on")
         return cls(tuple(model_choices(is_online(env), extra)), free)
 
     @property
