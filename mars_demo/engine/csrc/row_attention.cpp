@@ -213,21 +213,26 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
   }
 }
 
-// Units (b * rows + i) * heads + h, first .. last - 1: each one computed whole by one thread, so how
-// the units are split over threads changes no bits.
+// Units ((b * kv_heads + g) * rows + i) * group + j, first .. last - 1: row i's head g * group + j,
+// each computed whole by one thread, so how the units are split over threads changes no bits. A
+// key group's rows are consecutive units, so a thread's share covers as few groups as it can: each
+// group's keys and values come from memory into one thread's cache, and its rows find them there
+// (a one-row call splits by heads alike).
 static int run_units(const Call* c, int64_t first, int64_t last) {
   const int64_t group = c->heads / c->kv_heads;  // a key group's heads' scores (attend_row)
   float* scores = (float*)malloc(group * (c->keys + 16) * sizeof(float));
   if (!scores) return 1;
   while (first < last) {
-    const int64_t r = first / c->heads, h0 = first % c->heads;
-    const int64_t h1 = h0 + (last - first) < c->heads ? h0 + (last - first) : c->heads;
+    const int64_t sequence_group = first / (c->rows * group), unit = first % (c->rows * group);
+    const int64_t b = sequence_group / c->kv_heads, g = sequence_group % c->kv_heads;
+    const int64_t i = unit / group, h0 = g * group + unit % group;
+    const int64_t h1 = h0 + (last - first) < (g + 1) * group ? h0 + (last - first) : (g + 1) * group;
     if (c->dim == 64)
-      attend_row<8>(c, r / c->rows, r % c->rows, h0, h1, scores);
+      attend_row<8>(c, b, i, h0, h1, scores);
     else if (c->dim == 128)
-      attend_row<16>(c, r / c->rows, r % c->rows, h0, h1, scores);
+      attend_row<16>(c, b, i, h0, h1, scores);
     else
-      attend_row<0>(c, r / c->rows, r % c->rows, h0, h1, scores);
+      attend_row<0>(c, b, i, h0, h1, scores);
     first += h1 - h0;
   }
   free(scores);
