@@ -28,7 +28,6 @@ from . import int8gemm, native, rowattn
 
 DECODER_ENV = "MARS_DEMO_DECODER"  # "0": the torch layers (lean.py) around the kernels
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-MAX_HEAD_DIM = 512  # decoder.cpp rotates a head in a buffer of this many floats
 
 
 class _Int8Weights(ctypes.Structure):
@@ -105,7 +104,7 @@ class NativeLayers:
         first = layers[0]
         heads, kv_heads, dim, hidden = first.heads, first.kv_heads, first.head_dim, first.norm1.shape[0]
         scales = {float(layer.attention.scaling) for layer in layers}
-        if len(scales) != 1 or dim % 2 or dim > MAX_HEAD_DIM or heads % kv_heads:
+        if len(scales) != 1 or dim % 2 or heads % kv_heads:
             return None
         linears = []
         for layer in layers:

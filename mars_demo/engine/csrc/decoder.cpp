@@ -80,11 +80,13 @@ void rope_and_store_row(const Pass& p, int64_t r, float* qkv, int64_t width, flo
   const float* c = p.cos + b * p.rope_batch_stride + i * d;
   const float* s = p.sin + b * p.rope_batch_stride + i * d;
   float* row = qkv + r * width;
-  float turned[512];
-  for (int64_t h = 0; h < rotated; h++) {
+  for (int64_t h = 0; h < rotated; h++) {  // a * cos + rotate_half(a) * sin, both halves at once
     float* a = row + h * d;
-    for (int64_t t = 0; t < d; t++) turned[t] = a[t < half ? t + half : t - half];
-    for (int64_t t = 0; t < d; t++) a[t] = a[t] * c[t] + turned[t] * s[t];
+    for (int64_t t = 0; t < half; t++) {
+      const float x = a[t], y = a[t + half];
+      a[t] = x * c[t] + y * s[t];
+      a[t + half] = y * c[t + half] + x * s[t + half];
+    }
   }
   for (int64_t g = 0; g < p.kv_heads; g++) {
     const int64_t at = b * p.cache_batch_stride + g * p.cache_head_stride + (p.start + i) * d;
