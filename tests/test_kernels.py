@@ -141,13 +141,25 @@ def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, m
     assert select(one.model, one.tokenizer, "auto", block_size=4, table_dir=tmp_path / "one").path == "int8"
 
 
+def test_a_curve_takes_at_least_its_rounds_and_more_while_time_is_left(monkeypatch):
+    lm = make_lm("llama")
+    passes = []
+    lm.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    costs = kernels.pass_costs(lm.model, range(1, 3), context=8, reps=1, seconds=0)
+    assert len(passes) == 1 + 2 * 3 and set(costs) == {1, 2}  # the prompt, then 2 widths x (1 + 2 warm-up) rounds
+    passes.clear()
+    monkeypatch.setattr(kernels, "MAX_ROUNDS", 5)
+    kernels.pass_costs(lm.model, range(1, 3), context=8, reps=1, seconds=60)
+    assert len(passes) == 1 + 2 * (5 + 2)  # time was left: rounds up to the most
+
+
 def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, monkeypatch):
     calls = []
     real = kernels.pass_costs
 
     def counting(model, widths, **kwargs):
         calls.append(widths)
-        return real(model, widths, reps=1)
+        return real(model, widths, reps=1, seconds=0)
 
     monkeypatch.setattr(kernels, "pass_costs", counting)
     lm = make_lm("llama")

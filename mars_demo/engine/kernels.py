@@ -43,6 +43,8 @@ KERNELS_VERSION = 12
 PRECISION_ENV = "MARS_DEMO_PRECISION"
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
+MEASURE_SECONDS = 0.5  # a path's curve is measured for at least this long (pass_costs) ...
+MAX_ROUNDS = 60  # ... in at most this many rounds
 # auto never picks a path whose teacher-forced NLL on the calibration texts exceeds fp32's by more.
 DNLL_LIMIT = 0.03
 # Calibration: CALIBRATION_TEXT and the first rows of held-out chat answers (none trained on).
@@ -432,12 +434,16 @@ class ComputePath:
         return asdict(self)
 
 
-def pass_costs(model: PreTrainedModel, widths: range, *, context: int = 128, reps: int = 7) -> dict[int, float]:
-    """Ms of a cached pass feeding each width of tokens after ``context`` tokens (the fastest of ``reps``).
+def pass_costs(
+    model: PreTrainedModel, widths: range, *, context: int = 128, reps: int = 7, seconds: float = MEASURE_SECONDS
+) -> dict[int, float]:
+    """Ms of a cached pass feeding each width of tokens after ``context`` tokens (the fastest of its rounds).
 
     The widths take turns, one pass each per round, so a burst of other load (a browser starting
     beside the app) slows one round of every width rather than every round of one width, and the
-    fastest of each width's rounds is the pass alone.
+    fastest of each width's rounds is the pass alone. At least ``reps`` rounds, and more until
+    ``seconds`` have passed (at most MAX_ROUNDS): a fast path's curve (a few ms a pass) gets tens of
+    rounds, so the cap drawn from it no longer swings with one round's noise.
     """
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -446,7 +452,9 @@ def pass_costs(model: PreTrainedModel, widths: range, *, context: int = 128, rep
     times: dict[int, list[float]] = {width: [] for width in widths}
     with torch.inference_mode():
         model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for _ in range(reps + 2):  # two warm-up rounds
+        began, rounds = time.perf_counter(), 0
+        while rounds < reps + 2 or (time.perf_counter() - began < seconds and rounds < MAX_ROUNDS + 2):
+            rounds += 1  # the first two are warm-up rounds
             for width in widths:
                 started = time.perf_counter()
                 model(input_ids=ids[:, context : context + width], past_key_values=cache, use_cache=True,
