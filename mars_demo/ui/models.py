@@ -5,7 +5,8 @@ bundled default, its base, the released checkpoints, and what the operator lists
 MARS_DEMO_EXTRA_MODELS); free text (a local path, any hub id) is accepted only when
 the operator turns it on (MARS_DEMO_ANY_MODEL; on by default for a local run, off
 on a Space or a server bound beyond localhost). A refused spec is refused before
-anything is opened, with one message whatever the spec is.
+anything is opened, with one message whatever the spec is. ``decoding_threads`` is the
+rule for the CPU: served on this machine alone, the app leaves the visitor's browser a core.
 
 ``ModelCache`` keeps at most ``capacity`` models, keyed by (spec, compute path), behind a
 lock: the same checkpoint on another CPU path (the sidebar's "Compute path": auto, fp32,
