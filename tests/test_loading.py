@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from mars_demo.engine import acceptance
 from mars_demo.engine.config import DecodeConfig
 from mars_demo.engine.decoding import collect, generate
 from mars_demo.engine.loading import MarsMeta, ModelLoadError, block_size_from_name, choose_mask_token, load_model
@@ -30,7 +31,9 @@ def test_a2d_qwen2_checkpoint_loads_as_stock_qwen2_and_decodes(tmp_path):
     tiny = make_lm("qwen2")
     directory = tmp_path / "MARS-Qwen2.5-tiny-blk8"
     save_as_released(tiny, directory)
+    acceptance.greedy_kernel.cache_clear()
     lm = load_model(str(directory))
+    assert acceptance.greedy_kernel.cache_info().currsize == 1  # the greedy kernel is ready before the first pass
     assert type(lm.model).__name__ == "Qwen2ForCausalLM"
     assert lm.meta.block_size == 8  # from the name
     assert lm.meta.mask_token == "<|mask|>"

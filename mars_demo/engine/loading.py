@@ -44,6 +44,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from . import acceptance
 from .kernels import PRECISION_ENV, ComputePath, check_precision, select
 from .machine import cache_dir
 
@@ -383,6 +384,10 @@ def load_model(
         compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir(), rows=rows)
         model.mars_compute = compute  # read by config.resolve_max_fed
         logger.info("compute path: %s", compute.summary())
+    if dev.type == "cpu":
+        # the greedy choice's kernel built (or read from the cache) now: on a fresh install its
+        # build (~0.4 s) otherwise lands on the first pass decoded, the MARS side of the first race
+        acceptance.greedy_kernel()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     seconds = time.perf_counter() - started
