@@ -49,7 +49,8 @@ constexpr int64_t MAX_TOGETHER = 64;  // heads of a key group taken together at 
 // (32 registers), 12 on AVX2 (16), at least one head; a head's sums are D8 * 8 / VALUE_LANES vectors.
 constexpr int64_t VALUE_REGISTERS = VALUE_LANES == 16 ? 24 : 12;
 template <int D8>
-constexpr int64_t HEAD_BLOCK = VALUE_REGISTERS / (D8 * 8 / VALUE_LANES) > 1 ? VALUE_REGISTERS / (D8 * 8 / VALUE_LANES) : 1;
+constexpr int64_t HEAD_BLOCK =
+    VALUE_REGISTERS / (D8 * 8 / VALUE_LANES) > 1 ? VALUE_REGISTERS / (D8 * 8 / VALUE_LANES) : 1;
 
 // The weighted values of NH heads (scores p, a head's stride apart; outputs d floats apart) over
 // the visible keys, key by key from zero: each head's sums exactly as it would make them alone.
@@ -67,7 +68,8 @@ static inline void weigh_values_n(const float* p, int64_t stride, float* out, in
       for (int u = 0; u < N; u++) {
         vv value;
         memcpy(&value, vj + VALUE_LANES * u, sizeof(value));
-        for (int h = 0; h < NH; h++) acc[h][u] += (p[h * stride + at] - vv{}) * value;  // the score in every lane (x - 0 is x)
+        // the score in every lane (x - 0 is x, exactly)
+        for (int h = 0; h < NH; h++) acc[h][u] += (p[h * stride + at] - vv{}) * value;
       }
     }
   for (int h = 0; h < NH; h++)
