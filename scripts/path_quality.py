@@ -31,22 +31,10 @@ from mars_demo.engine.metrics import agreement, exact_match
 from mars_demo.research.evaluation import decode, pooled_nll, teacher_forced
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint spec (default: the bundled model)")
-    parser.add_argument("--prompts", default="assets/data/heldout_varied32.json")
-    parser.add_argument("--limit", type=int, default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, from {', '.join(PATHS)}")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if "fp32" in paths:
-        paths.remove("fp32")
-    prompts = json.loads(Path(args.prompts).read_text())[: args.limit]
-    config = DecodeConfig(mode="ar", max_new_tokens=args.max_new_tokens)
-
-    reference = load_model(args.model, precision="fp32")
+def compare(model: str | None, prompts: list[str], paths: list[str], max_new_tokens: int) -> dict:
+    """The report: fp32's greedy outputs, then each other path's against them (module docstring)."""
+    config = DecodeConfig(mode="ar", max_new_tokens=max_new_tokens)
+    reference = load_model(model, precision="fp32")
     ids = [prompt_ids(reference.tokenizer, p) for p in prompts]
 
     def outputs_of(lm) -> tuple[list[list[int]], float]:
@@ -61,8 +49,8 @@ def main() -> None:
     fp32_nll = nll_under_fp32(fp32_out)
     rows = [{"path": "fp32", "agreement": 1.0, "exact_match": 1.0, "dnll_fp32": 0.0, "calibration_dnll": 0.0,
              "tokens": sum(map(len, fp32_out)), "seconds": round(seconds, 1)}]
-    for path in paths:
-        lm = load_model(args.model, precision=path)
+    for path in (p for p in paths if p != "fp32"):
+        lm = load_model(model, precision=path)
         out, seconds = outputs_of(lm)
         rows.append({
             "path": path,
@@ -76,13 +64,27 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         del lm
         gc.collect()
-    report = {"model": args.model or "bundled", "prompts": args.prompts, "count": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "cpu": cpu_model(), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "fp32_nll": round(fp32_nll, 4), "paths": rows}
+    return {"model": model or "bundled", "count": len(prompts), "max_new_tokens": max_new_tokens,
+            "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "fp32_nll": round(fp32_nll, 4), "paths": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint spec (default: the bundled model)")
+    parser.add_argument("--prompts", default="assets/data/heldout_varied32.json")
+    parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, from {', '.join(PATHS)}")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    prompts = json.loads(Path(args.prompts).read_text())[: args.limit]
+    report = {**compare(args.model, prompts, paths, args.max_new_tokens), "prompts": args.prompts}
     print(f"{'path':8s} {'agreement':>9s} {'exact':>6s} {'dNLL fp32':>9s} {'calib':>7s}")
-    for r in rows:
-        print(f"{r['path']:8s} {r['agreement']:9.3f} {r['exact_match']:6.3f} {r['dnll_fp32']:+9.4f} "
-              f"{r['calibration_dnll'] if r['calibration_dnll'] is not None else '-':>7}")
+    for r in report["paths"]:
+        calibration = r["calibration_dnll"] if r["calibration_dnll"] is not None else "-"
+        print(f"{r['path']:8s} {r['agreement']:9.3f} {r['exact_match']:6.3f} {r['dnll_fp32']:+9.4f} {calibration:>7}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
