@@ -127,6 +127,12 @@ class LiveRequest:
         self._updates.put(update)
 
 
+def check_pace(pace: float) -> None:
+    """A live batch's pace: seconds from one pass's start to the next at least, 0-1 (0: as fast as it decodes)."""
+    if not 0 <= pace <= 1:
+        raise ValueError(f"pace must be 0-1 seconds, got {pace}")
+
+
 class SharedBatch:
     """One model's shared batch and its worker thread (see the module docstring)."""
 
@@ -136,8 +142,7 @@ class SharedBatch:
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max queue must be at least 0, got {max_queue}")
-        if not 0 <= pace <= 1:
-            raise ValueError(f"pace must be 0-1 seconds, got {pace}")
+        check_pace(pace)
         self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
         self.config, self.policy = config, policy or parse_policy(LIVE_POLICY)
         self.max_queue, self.idle, self._on_retire = max_queue, idle, on_retire
@@ -305,8 +310,7 @@ class SharedBatches:
         pace: float = 0.0,
     ) -> None:
         parse_policy(policy)  # a bad spec fails here, once
-        if not 0 <= pace <= 1:
-            raise ValueError(f"pace must be 0-1 seconds, got {pace}")
+        check_pace(pace)
         self.config, self.policy, self.max_queue, self.idle, self.pace = config, policy, max_queue, idle, pace
         self._batches: dict[int, SharedBatch] = {}
         self._lock = threading.Lock()

@@ -27,7 +27,7 @@ from html import escape
 import gradio as gr
 
 from ..engine.decoding import Detokenizer, StepEvent
-from ..engine.live import LIVE_POLICY, Busy, LiveRequest, LiveUpdate, SharedBatches
+from ..engine.live import LIVE_POLICY, Busy, LiveRequest, LiveUpdate, SharedBatches, check_pace
 from ..engine.memory import trim_heap
 from ..engine.prompts import prompt_ids
 from ..engine.serving import ServeConfig
@@ -68,10 +68,9 @@ def batches_from_env(env: Mapping[str, str] = os.environ) -> SharedBatches:
     pace = env.get("MARS_DEMO_LIVE_PACE", "0")
     try:
         seconds = float(pace)
+        check_pace(seconds)
     except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= 1:
-        raise ValueError(f"MARS_DEMO_LIVE_PACE must be 0-1 seconds, got {pace!r}")
+        raise ValueError(f"MARS_DEMO_LIVE_PACE must be 0-1 seconds, got {pace!r}") from None
     rows, waiting = int(rows), int(waiting)
     return SharedBatches(ServeConfig(max_batch=rows, max_new_tokens=LIVE_NEW_TOKENS),
                          policy=env.get("MARS_DEMO_LIVE_POLICY", LIVE_POLICY), max_queue=waiting, idle=30.0,
