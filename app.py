@@ -22,7 +22,9 @@ MARS_DEMO_PRECISION (the sidebar's first compute path on a CPU: auto, fp32, bf16
 MARS_DEMO_THREADS (torch threads for decoding; auto: one core left to the browser when served
 only on this machine),
 MARS_DEMO_VIEW_EVERY / MARS_DEMO_VIEW_SETTLE / MARS_DEMO_CHART_EVERY (how often a race is shown:
-ui/race.py, LaneCadence).
+ui/race.py, LaneCadence). The limits that keep one visitor from taking the machine (time budget per run,
+tokens, sweep size, compute paths, jobs per session, uploads; hosted defaults on a Space or a public
+address) are read by ``ui/hosting.py``'s ``Limits`` and listed in docs/hosting.md.
 
 Gradio deep-copies the component config on every page load, so nothing in it may reach
 the model: the state's delete callback and the unload handler are plain functions that
@@ -46,11 +48,11 @@ from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import (
     MODEL_OUTPUTS,
     RACE_OUTPUTS,
-    SWEEP_COLUMNS,
     SWEEP_OUTPUTS,
     DemoHandlers,
     empty_figures,
 )
+from mars_demo.ui.hosting import ClearBlocks, DecodeSlot, Limits, one_job_per_session, slot_cleanup
 from mars_demo.ui.live import LIVE_CSS, LIVE_OUTPUTS, LiveHandlers, LiveState, live_cleanup
 from mars_demo.ui.models import COMPUTE_CHOICES, Loader, ModelPolicy, decoding_threads, default_compute_path
 from mars_demo.ui.race import VIEW_EVERY, VIEW_SETTLE, Session
@@ -64,6 +66,7 @@ from mars_demo.ui.serving import (
     ServingHandlers,
     ServingState,
 )
+from mars_demo.ui.sweep import SWEEP_COLUMNS
 from mars_demo.ui.traces import TraceStore, stem
 from mars_demo.ui.zerogpu import RUN_SECONDS, SWEEP_SECONDS, gpu_handler, on_zero_gpu, zero_gpu_load
 
@@ -95,9 +98,11 @@ SWEEP_INTRO = """Each chosen prompt is decoded by the AR baseline and by MARS at
 Model, block size, metric and temperature come from the sidebar."""
 
 
-def _slider(name: str, label: str, value, info: str | None = None, **kwargs) -> gr.Slider:
+def _slider(name: str, label: str, value, info: str | None = None, top: float | None = None, **kwargs) -> gr.Slider:
+    """A slider on ``RANGES[name]``; ``top``: this server's lower maximum (hosting.Limits)."""
     low, high, step = RANGES[name]
-    return gr.Slider(minimum=low, maximum=high, step=step, value=value, label=label, info=info, **kwargs)
+    high = high if top is None else min(high, top)
+    return gr.Slider(minimum=low, maximum=high, step=step, value=min(value, high), label=label, info=info, **kwargs)
 
 
 def trace_store(directory: str | Path | None = None) -> TraceStore:
@@ -124,20 +129,24 @@ def session_cleanup(traces: TraceStore) -> tuple[Callable, Callable]:
     return forget_session, forget_tab
 
 
-def _compute_path(gpu: bool) -> gr.Dropdown:
-    """The CPU compute path (checked by the handlers as ``--precision`` is; custom values reach them for that)."""
+def _compute_path(gpu: bool, shared: bool = False) -> gr.Dropdown:
+    """The CPU compute path (checked by the handlers as ``--precision`` is; custom values reach them for that).
+
+    ``shared`` (hosting.Limits.paths): fixed to the path the shared model is loaded on."""
     value, problem = default_compute_path()
     if problem:
         logger.warning("%s", problem)
     info = ("auto measures this CPU once and picks the fastest path that keeps quality; MARS and AR always "
             "share it. The model line shows its cost curve.")
+    if shared:
+        info = "Fixed on this server: every visitor decodes on the one shared model. The model line shows its curve."
     if gpu:
         info = "Not used on a GPU: CUDA decodes in bf16 (MARS_DEMO_PRECISION=fp32 keeps fp32)."
     return gr.Dropdown(choices=list(COMPUTE_CHOICES), value=value, allow_custom_value=True, label="Compute path",
-                       info=info, interactive=not gpu, elem_id="precision")
+                       info=info, interactive=not (gpu or shared), elem_id="precision")
 
 
-def _sidebar(policy: ModelPolicy, gpu: bool = False) -> dict:
+def _sidebar(policy: ModelPolicy, gpu: bool, limits: Limits) -> dict:
     """The settings every run reads, by name."""
     c = {}
     with gr.Sidebar(label="Settings", width=340):
@@ -148,7 +157,7 @@ def _sidebar(policy: ModelPolicy, gpu: bool = False) -> dict:
             info="Pick one, or type a local path or hub id." if policy.free else "Pick one.", elem_id="model",
         )
         c["model_line"] = gr.HTML(css_template=STATUS_CSS, js_on_load=None, elem_id="model-status")
-        c["precision"] = _compute_path(gpu)
+        c["precision"] = _compute_path(gpu, limits.paths == "shared")
         c["mode"] = gr.Radio(
             [("MARS (confidence)", "mars"), ("Exact (verified)", "exact"), ("Hybrid", "hybrid")], value="mars",
             label="Decoding", elem_id="mode",
@@ -162,7 +171,7 @@ def _sidebar(policy: ModelPolicy, gpu: bool = False) -> dict:
         c["block_size"] = _slider("block_size", "Block size", DEFAULT_BLOCK_SIZE, "Candidates per pass (B).",
                                   elem_id="block-size")
         c["max_new_tokens"] = _slider("max_new_tokens", "Max new tokens", DEFAULTS.max_new_tokens,
-                                      elem_id="max-new-tokens")
+                                      top=limits.max_new_tokens, elem_id="max-new-tokens")
         c["metric"] = gr.Radio(list(METRICS), value=DEFAULTS.metric, label="Metric", elem_id="metric",
                                info="probability ≥ tau, entropy ≤ tau, or top-1 minus top-2 margin ≥ tau")
         c["temperature"] = _slider("temperature", "Temperature", DEFAULTS.temperature, "0 is greedy.",
@@ -211,7 +220,7 @@ def _race_tab() -> dict:
     return c
 
 
-def _sweep_tab() -> dict:
+def _sweep_tab(limits: Limits) -> dict:
     """The sweep: prompts, taus, Run / Stop, its status, the frontier plot and table, by name."""
     c = {}
     gr.Markdown(SWEEP_INTRO)
@@ -224,7 +233,7 @@ def _sweep_tab() -> dict:
             c["sweep_taus"] = gr.CheckboxGroup(list(SWEEP_TAUS), value=SWEEP_DEFAULT_TAUS, label="tau values",
                                                elem_id="sweep-taus")
             c["sweep_tokens"] = _slider("max_new_tokens", "Max new tokens per run", SWEEP_MAX_NEW_TOKENS,
-                                        elem_id="sweep-tokens")
+                                        top=limits.sweep_tokens, elem_id="sweep-tokens")
     with gr.Row():
         c["sweep_run"] = gr.Button("Run sweep", variant="primary", elem_id="sweep-run")
         c["sweep_stop"] = gr.Button("Stop", variant="stop", elem_id="sweep-stop")
@@ -271,18 +280,21 @@ def _serving_tab() -> dict:
     return c
 
 
-def _wire_serving(serving: ServingHandlers, c: dict, concurrency: int) -> None:
+def _wire_serving(serving: ServingHandlers, c: dict, concurrency: int, validator=None) -> None:
     """Run shares the race's decoding slot (so a run blocks races for at most its time limit); Stop never queues."""
     names = ["serve_arrivals", "serve_rate", "serve_policies", "serve_extra", "serve_requests", "serve_time_limit",
              "serve_max_batch", "serve_max_new", "model", "serve_state", "precision"]
     outputs = ["serve_status", "serve_tau", "serve_queue", "serve_throughput", "serve_latency", "serve_totals"]
     c["serve_run"].click(serving.run, [c[n] for n in names], [c[n] for n in outputs], concurrency_limit=concurrency,
-                         concurrency_id="decode", show_progress_on=[c["serve_status"]])
+                         concurrency_id="decode", show_progress_on=[c["serve_status"]], validator=validator)
     c["serve_stop"].click(serving.stop, [c["serve_state"]], None, concurrency_limit=None, show_progress="hidden")
 
 
-def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, concurrency: int) -> None:
-    """Every event, its inputs and outputs by name; the handlers' outputs come in the order of *_OUTPUTS."""
+def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, concurrency: int,
+          validator=None) -> None:
+    """Every event, its inputs and outputs by name; the handlers' outputs come in the order of *_OUTPUTS.
+
+    ``validator`` (hosting.one_job_per_session) refuses a decoding call from a session that has one waiting."""
     pick = lambda names: [c[n] for n in names]
     race = pick(RACE_OUTPUTS)
     for trigger in (demo.load, c["model"].change, c["precision"].change):
@@ -295,7 +307,7 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
     run_event = gr.on(
         [c["run"].click, c["prompt"].submit], gpu_handler(handlers.run, RUN_SECONDS),
         [c["prompt"], *settings, session, c["mode"], c["precision"]], race,
-        concurrency_limit=concurrency, concurrency_id="decode",
+        concurrency_limit=concurrency, concurrency_id="decode", validator=validator,
         show_progress="minimal", show_progress_on=[c["mars_pane"]],  # queue position and timer, no overlay
     )
     c["stop"].click(handlers.stop, [session], race, cancels=[run_event], concurrency_limit=None)
@@ -303,7 +315,7 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
                     "full_window", "precision")
     sweep_event = c["sweep_run"].click(
         gpu_handler(handlers.sweep, SWEEP_SECONDS), pick(sweep_inputs), pick(SWEEP_OUTPUTS),
-        concurrency_limit=concurrency, concurrency_id="decode",
+        concurrency_limit=concurrency, concurrency_id="decode", validator=validator,
         show_progress_on=[c["sweep_status"]],  # the frontier stays visible while it grows
     )
     c["sweep_stop"].click(None, None, None, cancels=[sweep_event])
@@ -345,9 +357,13 @@ def build_demo(
     models_in_memory: int | None = None,
     policy: ModelPolicy | None = None,
     traces: TraceStore | None = None,
+    limits: Limits | None = None,
 ) -> gr.Blocks:
-    """The whole app; ``loader(spec) -> LoadedModel`` is called lazily, never while building."""
+    """The whole app; ``loader(spec) -> LoadedModel`` is called lazily, never while building.
+
+    ``limits``: the host's limits (default: from the environment, hosted defaults when public)."""
     concurrency = concurrency or int(os.environ.get("MARS_DEMO_CONCURRENCY", "1"))
+    limits = limits or Limits.from_env()
     capacity = models_in_memory or int(os.environ.get("MARS_DEMO_MODELS", "1"))
     policy = policy or ModelPolicy.from_env()
     traces = traces or trace_store()
@@ -356,28 +372,32 @@ def build_demo(
     handlers = DemoHandlers(loader, capacity=capacity, policy=policy, traces=traces,
                             chart_every=float(os.environ.get("MARS_DEMO_CHART_EVERY", "1")),
                             view_every=float(os.environ.get("MARS_DEMO_VIEW_EVERY", str(VIEW_EVERY))),
-                            view_settle=float(os.environ.get("MARS_DEMO_VIEW_SETTLE", str(VIEW_SETTLE))))
+                            view_settle=float(os.environ.get("MARS_DEMO_VIEW_SETTLE", str(VIEW_SETTLE))),
+                            limits=limits, slot=DecodeSlot(concurrency))
     forget_session, forget_tab = session_cleanup(traces)
     live = None if on_zero_gpu() else LiveHandlers(handlers)  # ZeroGPU decodes in a forked worker per call
 
-    with gr.Blocks(title="MARS · multi-token generation", fill_width=True, delete_cache=(3600, 3600)) as demo:
+    # ClearBlocks: a bad API call gets a sentence, never {"error": null} (ui/hosting.py)
+    with ClearBlocks(title="MARS · multi-token generation", fill_width=True, delete_cache=(3600, 3600)) as demo:
         # A new Session (its own LiveTau) per browser session; its trace files go when the tab closes.
         session = gr.State(lambda: Session(), delete_callback=forget_session)
-        components = _sidebar(policy, handlers.on_gpu)
+        components = _sidebar(policy, handlers.on_gpu, limits)
         gr.Markdown(INTRO, elem_id="title")
         with gr.Tabs():
             with gr.Tab("Race", id="race"):
                 components |= _race_tab()
             with gr.Tab("Sweep", id="sweep"):
-                components |= _sweep_tab()
+                components |= _sweep_tab(limits)
             with gr.Tab("Serving", id="serving"):
                 components |= _serving_tab()
                 if live is not None:
                     components |= _live_section(live.intro())
-        _wire(demo, handlers, components, session, concurrency)
+        validator = one_job_per_session(demo, limits.session_jobs) if limits.session_jobs else None
+        _wire(demo, handlers, components, session, concurrency, validator)
         serving = ServingHandlers(handlers)
-        _wire_serving(serving, components, concurrency)
+        _wire_serving(serving, components, concurrency, validator)
         demo.unload(forget_tab)
+        demo.unload(slot_cleanup(handlers.slot))  # a closed tab's runs end before their next pass
         if live is not None:
             _wire_live(live, components)
             demo.unload(live_cleanup(live.batches))
@@ -404,8 +424,11 @@ if on_zero_gpu():
 def launch_options(env: dict[str, str] = os.environ) -> dict:
     """``demo.launch`` keywords. Gradio keeps each session's state (its components' latest values,
     ~0.1 MB before a run, a few hundred KB after) until the session is evicted, least recently used
-    first, past ``state_session_capacity``; Gradio's default, 10000, would be gigabytes (docs/soak.md)."""
-    return {"theme": THEME, "css": CSS, "state_session_capacity": int(env.get("MARS_DEMO_SESSIONS", "1000"))}
+    first, past ``state_session_capacity``; Gradio's default, 10000, would be gigabytes (docs/soak.md).
+    ``max_file_size``: the app has no upload component, so Gradio's upload route takes small files only
+    (MARS_DEMO_UPLOAD_MB, docs/hosting.md)."""
+    return {"theme": THEME, "css": CSS, "state_session_capacity": int(env.get("MARS_DEMO_SESSIONS", "1000")),
+            "max_file_size": Limits.from_env(env).upload_bytes}
 
 
 def main() -> None:

@@ -59,13 +59,14 @@ TRIM_ENV = "MARS_DEMO_MALLOC_TRIM"  # seconds between trims after runs (default 
 
 
 class ModelTooLarge(ModelLoadError):
-    """A model that would not fit in the memory left; the message says how much it needs and how much is free."""
+    """A model that would not fit in the memory left; the message says how much it needs, never how much the
+    host has free (a visitor reads it; the server log has both)."""
 
     def __init__(self, needed: int, available: int) -> None:
         self.needed, self.available = needed, available
         super().__init__(
-            f"That model needs about {needed / GB:.1f} GB of memory and this server has "
-            f"{max(available, 0) / GB:.1f} GB free, so it is not loaded: pick a smaller one."
+            f"That model needs about {needed / GB:.1f} GB of memory, more than this server can spare, "
+            "so it is not loaded: pick a smaller one."
         )
 
 

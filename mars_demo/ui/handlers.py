@@ -1,24 +1,21 @@
 """The app's event handlers: they turn engine events into component values, and nothing more.
 
 The run handler is a generator that decodes as Gradio pulls from it: MARS and AR
-passes alternate (``race.interleave``) and a yield carries the panes that changed
-since the last one, when ``race.LaneCadence`` says a view is due (``view_every``: a
-side's own decoding seconds between views; 0, the default here, a yield per pass;
-the app uses ``race.VIEW_EVERY`` and waits ``view_settle`` after each view, off both
-clocks, so that the UI's work costs both sides the same). There is no helper thread and no replay.
-Stop cancels the run (``cancels=``) and marks its trace stopped, so the generator
-ends at the next pass boundary; Stop's own handler waits for that end before it
-shows the final view, so no earlier pass can land on top of it. The session's
-LiveTau is the object the decoder reads before every pass; ``set_tau`` (the
-slider's change event, never queued behind a run) writes to it while the run goes.
+passes alternate (``race.interleave``), one yield per pass. A yield carries the panes that
+changed when ``race.LaneCadence`` says a view is due (``view_every``: a side's own decoding
+seconds between views; 0, the default here, every pass; the app uses ``race.VIEW_EVERY`` and
+waits ``view_settle`` after each view, off both clocks), else nothing to draw: Gradio closes a
+cancelled generator at its next yield, so a cancel ends the work within one pass. No helper
+thread, no replay. Stop cancels the run (``cancels=``) and marks its trace stopped; its handler
+waits for the generator's end before it shows the final view. ``set_tau`` (the slider's change
+event, never queued behind a run) writes the session's LiveTau, read before every pass.
 
-Toasts (gr.Warning / gr.Error) are built in ``messages.py``: plain text for API
-clients, escaped for the browser. Models go through the hosting policy and are held
-by a run for as long as it decodes (``models.py``), keyed by checkpoint and CPU compute path
-(the sidebar's setting, checked like ``--precision``; ignored on a GPU): MARS and AR in a race,
-the sweep and the Serving tab decode on the one model their run holds. Trace files live in a bounded
-``TraceStore`` (``traces.py``). The handlers object reaches the model, so nothing in
-the component config may reach it: the app hands Gradio only plain functions.
+Every race, sweep and Serving run holds the decoding slot (``hosting.DecodeSlot``) until its work has
+ended, and ends at the host's time budget (``hosting.Limits``) with what it decoded. Toasts are built
+in ``messages.py``. Models go through the hosting policy and are held by a run while it decodes
+(``models.py``), keyed by checkpoint and CPU compute path (the sidebar's setting, checked like
+``--precision``; ignored on a GPU). Trace files live in a bounded ``TraceStore``. The handlers
+object reaches the model, so nothing in the component config may reach it.
 """
 
 from __future__ import annotations
@@ -34,23 +31,33 @@ from pathlib import Path
 import gradio as gr
 import torch
 
-from ..engine.config import DecodeConfig
-from ..engine.decoding import generate
+from ..engine.config import METRICS, MODES, RANGES, DecodeConfig
+from ..engine.decoding import StepEvent, generate
+from ..engine.hub import HubUnreachable, check_hub
 from ..engine.kernels import check_precision
 from ..engine.loading import load_for_decoding
 from ..engine.memory import ModelTooLarge, check_fits, trim_heap
 from . import charts
-from .messages import error, sentence, warning
-from .models import Loader, ModelBusy, ModelCache, ModelPolicy, ModelRefused, bundled_note, default_compute_path
+from .hosting import DecodeSlot, Limits, SlotBusy
+from .messages import error, number, sentence, text, warning
+from .models import (
+    COMPUTE_CHOICES,
+    Loader,
+    ModelBusy,
+    ModelCache,
+    ModelPolicy,
+    ModelRefused,
+    bundled_note,
+    default_compute_path,
+)
 from .race import LaneCadence, RaceTrace, Session, interleave, upcoming_side
 from .render import ar_pane, mars_pane, model_message, model_status
-from .sweep import frontier, plan, sweep_runs
+from .sweep import SweepRun, frontier, plan, sweep_choices, sweep_desc, sweep_passes, sweep_table
 from .traces import TraceStore, stem
 from .zerogpu import on_zero_gpu
 
 logger = logging.getLogger(__name__)
 
-SWEEP_COLUMNS = ["tau", "prompts", "tokens / forward", "tokens / s", "speedup over AR", "agreement", "exact match"]
 # Each handler's outputs by name, in the order app.py lists the components: the one place that order lives.
 RACE_OUTPUTS = ("mars_pane", "ar_pane", "time_plot", "pass_plot", "hist_plot", "summary_plot", "json_file", "csv_file")
 MODEL_OUTPUTS = ("model_line", "model", "block_size", "precision")
@@ -100,6 +107,9 @@ def empty_figures() -> dict:
 
 BUSY = ("Another model is in use by other visitors' runs right now: "
         "try again once they finish, or keep the model that is loaded.")
+SHARED_PATH = ("This server decodes every run on the compute path the shared model was loaded on ({default}), "
+               "so that no visitor's choice reloads it for everyone: keep {default}")
+MAX_PROMPT_CHARS = 8000  # a race's prompt; the model's context refuses a long one anyway, with a message
 
 
 class DemoHandlers:
@@ -119,8 +129,13 @@ class DemoHandlers:
         gpu: bool | None = None,
         view_every: float = 0.0,
         view_settle: float = 0.0,
+        limits: Limits | None = None,
+        slot: DecodeSlot | None = None,
     ) -> None:
-        self.models = ModelCache(loader, capacity, guard)  # guard: refuses a model that would not fit in memory
+        # guard: refuses a model that would not fit in memory; check_hub: a hub id fails at once without the hub
+        self.models = ModelCache(loader, capacity, guard, check_hub)
+        self.limits = limits or Limits()  # the host's limits (hosting.py): budget, tokens, sweep size, paths
+        self.slot = slot or DecodeSlot()  # held by every race, sweep and serving run until its work has ended
         # On a GPU the compute-path setting is ignored: CUDA decodes in bf16 (MARS_DEMO_PRECISION=fp32 keeps fp32).
         self.on_gpu = (torch.cuda.is_available() or on_zero_gpu()) if gpu is None else gpu
         self.policy = policy or ModelPolicy.from_env()
@@ -135,8 +150,8 @@ class DemoHandlers:
         """The message for a model that cannot be served; details go to the server log only."""
         if isinstance(err, ModelBusy):
             return BUSY
-        if isinstance(err, ModelTooLarge) and (spec or "").strip() in self.policy.specs:
-            return str(err)  # sizes only; a typed spec gets the one refusal below
+        if isinstance(err, (ModelTooLarge, HubUnreachable)) and (spec or "").strip() in self.policy.specs:
+            return str(err)  # a size, or the hub out of reach; a typed spec gets the one refusal below
         if not isinstance(err, ModelRefused):
             logger.warning("cannot load %r: %s", spec, err)
         return self.policy.refusal
@@ -144,8 +159,15 @@ class DemoHandlers:
     def compute_path(self, precision: str | None) -> str | None:
         """The sidebar's compute path as the model cache's key: checked as ``--precision`` is (a ValueError
         with one line), None (the default) is MARS_DEMO_PRECISION or auto, and on a GPU it is None: ignored."""
-        precision = check_precision(default_compute_path()[0] if precision is None else precision)
-        return None if self.on_gpu else precision
+        default = default_compute_path()[0]
+        if precision is not None and not isinstance(precision, str):
+            raise TypeError("the compute path must be one of " + ", ".join(COMPUTE_CHOICES))
+        precision = check_precision(default if precision is None else precision)
+        if self.on_gpu:
+            return None
+        if self.limits.paths == "shared" and precision not in self.models.paths(default):
+            raise ValueError(SHARED_PATH.format(default=default))
+        return precision
 
     def _path(self, precision: str | None, request: gr.Request | None) -> str | None:
         try:
@@ -201,21 +223,42 @@ class DemoHandlers:
             raise error(self._refusal(spec, err), "Model not loaded", request) from None
 
     # -- tau -------------------------------------------------------------------------------
-    def set_tau(self, value: float, session: Session) -> None:
+    def set_tau(self, value: float, session: Session, request: gr.Request = None) -> None:
         """The slider's change event: the running decoder reads the new tau before its next pass."""
-        session.tau.set(float(value))
+        try:
+            session.tau.set(number(value, "tau", *RANGES["tau"][:2]))
+        except (TypeError, ValueError) as err:
+            raise error(sentence(str(err)), "Bad setting", request) from None
 
     # -- the race --------------------------------------------------------------------------
     def _config(
-        self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None, mode="mars"
+        self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None, mode="mars",
+        most_tokens: int | None = None,
     ) -> DecodeConfig:
+        """The run's DecodeConfig; ``most_tokens``: this server's cap on max new tokens (Limits)."""
+        most = most_tokens or self.limits.max_new_tokens
         try:
+            for value, choices, label in ((metric, METRICS, "metric"), (mode, MODES, "mode")):
+                if value not in choices:  # the value itself is never echoed: it may be huge, or markup
+                    raise ValueError(f"{label} must be one of {', '.join(choices)}")
+            if not isinstance(full_window, (bool, type(None))):
+                raise TypeError("full window must be true or false")
             return DecodeConfig(
-                mode=mode, tau=float(tau), block_size=int(block_size), max_new_tokens=int(max_new_tokens),
-                metric=metric, temperature=float(temperature), max_fed=None if full_window else "auto",
+                mode=mode, tau=number(tau, "tau", *RANGES["tau"][:2]),
+                block_size=number(block_size, "Block size", *RANGES["block_size"][:2], integer=True),
+                max_new_tokens=number(max_new_tokens, "Max new tokens", 1, most, integer=True),
+                metric=metric, temperature=number(temperature, "Temperature", *RANGES["temperature"][:2]),
+                max_fed=None if full_window else "auto",
             )
         except (TypeError, ValueError) as err:
             raise error(sentence(str(err)), "Bad setting", request) from None
+
+    def _slot(self, stack: ExitStack, request: gr.Request | None):
+        """The decoding slot for this run until ``stack`` closes; its cancel flag (a closed tab sets it)."""
+        try:
+            return stack.enter_context(self.slot.hold(request.session_hash if request is not None else None))
+        except SlotBusy as err:
+            raise error(str(err), "Busy", request) from None
 
     def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session,
                  owner: str | None = None) -> tuple:
@@ -254,13 +297,20 @@ class DemoHandlers:
     ) -> Iterator[tuple]:
         """Race MARS (or exact / hybrid mode) against AR on one prompt, streaming every forward pass of both.
 
-        Both sides decode with the one model this run holds: the same weights on the same compute path."""
-        if not (prompt or "").strip():
+        Both sides decode with the one model this run holds: the same weights on the same compute path.
+        The run holds the decoding slot until it ends, yields once per pass (so a cancel ends it before
+        the next one) and ends at the time budget with what it decoded (status "limit")."""
+        try:
+            prompt = text(prompt, "The prompt", MAX_PROMPT_CHARS)
+        except (TypeError, ValueError) as err:
+            raise error(sentence(str(err)), "Prompt not accepted", request) from None
+        if not prompt.strip():
             raise error("Type a prompt first, or pick one of the examples.", "Empty prompt", request)
         config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, request, mode)
         path = self._path(precision, request)
         owner = request.session_hash if request is not None else None
         with ExitStack() as held:
+            cancel = self._slot(held, request)
             lm = self._hold(spec, held, request, path)
             session.tau.set(config.tau)
             try:  # a prompt longer than the model's context is refused here (or at the first pass)
@@ -271,11 +321,14 @@ class DemoHandlers:
             trace = RaceTrace(prompt=prompt, model=lm.name, config=config, with_ar=bool(with_ar),
                               compute=lm.compute.summary() if lm.compute is not None else "")
             session.trace = trace
+            deadline = time.monotonic() + self.limits.run_seconds
             try:
                 yield self._outputs(trace, ("mars", "ar"), True, False, session)
                 self._settle()  # else the browser draws this first view during MARS's prefill, off AR's clock
-                yield from self._race(trace, interleave(mars, ar), session, request)
-                if trace.status == "done":
+                yield from self._race(trace, interleave(mars, ar), session, request, cancel, deadline)
+                if trace.status == "limit":
+                    warning(self.limits.over_budget("run"), "Time limit", request)
+                if trace.status in ("done", "limit"):
                     yield self._outputs(trace, ("mars", "ar"), True, True, session, owner)
             finally:
                 trace.ended.set()  # also when Gradio cancels and closes this generator
@@ -284,11 +337,16 @@ class DemoHandlers:
                         decoder.close()
                 trim_heap()  # and the freed pages back to the system (engine/memory.py)
 
-    def _race(self, trace: RaceTrace, passes: Iterator, session: Session, request) -> Iterator[tuple]:
+    def _race(self, trace: RaceTrace, passes: Iterator, session: Session, request, cancel, deadline: float
+              ) -> Iterator[tuple]:
         """Decode pass by pass into ``trace``; a view (the panes that changed, the charts when due) when
-        ``LaneCadence`` says, so that the UI's work costs both sides the same share."""
+        ``LaneCadence`` says, so that the UI's work costs both sides the same share, else a yield that
+        carries nothing to draw: Gradio closes a cancelled run there, before its next pass."""
         cadence, changed, charted = LaneCadence(self.view_every), set(), time.monotonic()
         while trace.status == "running":
+            if cancel.is_set():  # a closed tab
+                trace.status = "stopped"
+                break
             try:
                 side, event = next(passes)  # one forward pass, of one side
             except StopIteration:
@@ -301,7 +359,11 @@ class DemoHandlers:
                 break  # Stop came during this pass: its handler shows what was decoded
             trace.add(side, event)
             changed.add(side)
+            if time.monotonic() >= deadline and upcoming_side(trace, side) is not None:
+                trace.status = "limit"
+                break
             if not cadence.after(side, event.seconds, upcoming_side(trace, side)):
+                yield outputs(RACE_OUTPUTS)
                 continue
             due = time.monotonic() - charted >= self.chart_every
             if due:
@@ -335,36 +397,63 @@ class DemoHandlers:
     ) -> Iterator[tuple]:
         """Run the chosen prompts at each tau (and 1.0, and AR).
 
-        Yields after every run, and the frontier after every prompt.
+        Yields after every pass (a cancel ends the sweep before the next one), a status after every run,
+        and the frontier after every prompt; the time budget ends it with the frontier of the runs done.
         """
-        prompts = list(prompts or [])
         try:
-            runs_planned = plan(prompts, [float(t) for t in taus or []])
-        except ValueError as err:
+            prompts, taus = sweep_choices(prompts, taus)
+            runs_planned = plan(prompts, taus)
+        except (TypeError, ValueError) as err:
             raise error(sentence(str(err)), "Nothing to sweep", request) from None
-        config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window, request)
+        if len(runs_planned) > self.limits.sweep_runs:
+            raise error(f"This sweep plans {len(runs_planned)} runs; this server runs at most "
+                        f"{self.limits.sweep_runs} per sweep: choose fewer prompts or tau values.", "Sweep too large",
+                        request)
+        config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window, request,
+                              most_tokens=self.limits.sweep_tokens)
         path = self._path(precision, request)
-        with ExitStack() as held:
-            yield from self._sweep(prompts, taus, config, runs_planned, self._hold(spec, held, request, path), progress)
-        trim_heap()
+        try:
+            with ExitStack() as held:
+                cancel = self._slot(held, request)
+                lm = self._hold(spec, held, request, path)
+                yield from self._sweep(prompts, taus, config, runs_planned, lm, progress, cancel, request)
+        finally:
+            trim_heap()
 
-    def _sweep(self, prompts, taus, config, runs_planned, lm, progress) -> Iterator[tuple]:
-        runs = []
-        progress((0, len(runs_planned)), desc=_sweep_desc(runs_planned, 0, prompts))
-        for i, run in enumerate(sweep_runs(lm, prompts, [float(t) for t in taus], config)):
-            runs.append(run)
-            progress((i + 1, len(runs_planned)), desc=_sweep_desc(runs_planned, i + 1, prompts))
-            prompt_done = i + 1 == len(runs_planned) or runs_planned[i + 1][0] != run.prompt
-            done = prompts.index(run.prompt) + int(prompt_done)
-            note = "Sweep finished" if i + 1 == len(runs_planned) else "Sweeping"
-            text = f"{note}: {done} of {len(prompts)} prompts, {i + 1} of {len(runs_planned)} runs."
-            status = f'<div class="sweep-status">{escape(text)}</div>'
-            if prompt_done:  # redraw the frontier with this prompt in it
-                points = frontier(runs)
-                yield outputs(SWEEP_OUTPUTS, sweep_status=status, sweep_plot=charts.frontier(points),
-                              sweep_table=_sweep_table(points))
-            else:  # a yield per run, so the sweep's Stop takes effect between runs
-                yield outputs(SWEEP_OUTPUTS, sweep_status=status)
+    def _sweep(self, prompts, taus, config, runs_planned, lm, progress, cancel, request) -> Iterator[tuple]:
+        runs, deadline = [], time.monotonic() + self.limits.run_seconds
+        progress((0, len(runs_planned)), desc=sweep_desc(runs_planned, 0, prompts))
+        passes = sweep_passes(lm, prompts, taus, config)
+        try:
+            for item in passes:
+                if isinstance(item, StepEvent):
+                    if cancel.is_set():  # a closed tab
+                        return
+                    if time.monotonic() >= deadline:
+                        warning(self.limits.over_budget("sweep"), "Time limit", request)
+                        yield self._sweep_view("Time limit reached", runs, runs_planned, prompts, True)
+                        return
+                    yield outputs(SWEEP_OUTPUTS)  # nothing to draw: a cancelled sweep ends here, before its next pass
+                    continue
+                runs.append(item)
+                i = len(runs)
+                progress((i, len(runs_planned)), desc=sweep_desc(runs_planned, i, prompts))
+                prompt_done = i == len(runs_planned) or runs_planned[i][0] != item.prompt
+                note = "Sweep finished" if i == len(runs_planned) else "Sweeping"
+                yield self._sweep_view(note, runs, runs_planned, prompts, prompt_done)  # the frontier after a prompt
+        finally:
+            passes.close()  # the run under way and its KV cache end now
+
+    @staticmethod
+    def _sweep_view(note: str, runs: list[SweepRun], planned: list, prompts: list[str], redraw: bool) -> tuple:
+        done = sum(1 for p in prompts if sum(r[0] == p for r in planned) == sum(r.prompt == p for r in runs))
+        line = f"{note}: {done} of {len(prompts)} prompts, {len(runs)} of {len(planned)} runs."
+        status = f'<div class="sweep-status">{escape(line)}</div>'
+        if not redraw:
+            return outputs(SWEEP_OUTPUTS, sweep_status=status)
+        points = frontier(runs)
+        return outputs(SWEEP_OUTPUTS, sweep_status=status, sweep_plot=charts.frontier(points),
+                       sweep_table=sweep_table(points))
 
 
 def _prompt_error(err: ValueError, request: gr.Request | None) -> gr.Error:
@@ -373,21 +462,3 @@ def _prompt_error(err: ValueError, request: gr.Request | None) -> gr.Error:
 
 def _side_status(trace: RaceTrace, side: str) -> str:
     return "done" if trace.finish_reason(side) else trace.status
-
-
-def _sweep_desc(planned: list, i: int, prompts: list[str]) -> str:
-    if i >= len(planned):
-        return "done"
-    prompt, mode, tau = planned[i]
-    which = f"prompt {prompts.index(prompt) + 1}/{len(prompts)}"
-    return f"{which}: {'AR baseline' if mode == 'ar' else f'MARS tau {tau:g}'}"
-
-
-def _sweep_table(points) -> list[list]:
-    return [
-        [
-            p.tau, p.prompts, round(p.tokens_per_forward, 3), round(p.tokens_per_second, 1),
-            None if p.speedup is None else round(p.speedup, 3), round(p.agreement, 3), round(p.exact, 3),
-        ]
-        for p in points
-    ]

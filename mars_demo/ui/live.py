@@ -11,8 +11,9 @@ batch at the next pass boundary.
 
 Bounds (MARS_DEMO_LIVE_ROWS, MARS_DEMO_LIVE_QUEUE, MARS_DEMO_LIVE_POLICY): rows decoding,
 requests waiting beyond them (a visitor past both is told to try again), LIVE_NEW_TOKENS per
-request, one request per visitor at a time. The shared batch runs beside the decoding slot
-that races and sweeps take turns on, so on a small CPU both go slower while both run.
+request, one request per visitor at a time, and the host's time budget per request
+(hosting.Limits). The shared batch runs beside the decoding slot that races and sweeps take
+turns on, so on a small CPU both go slower while both run.
 """
 
 from __future__ import annotations
@@ -178,10 +179,16 @@ class LiveHandlers:
                 trim_heap()
 
     def _stream(self, live: LiveRequest, view: LiveView, request: gr.Request | None) -> Iterator[tuple]:
+        """This request's passes as views; at the host's time budget it leaves the batch (what it got is kept)."""
         policy = self.batches.policy
         yield view.outputs(policy, True)
-        charted = time.monotonic()
+        charted = deadline = time.monotonic()
+        deadline += self.demo.limits.run_seconds
         while True:
+            if time.monotonic() >= deadline and not live.ended:
+                deadline = float("inf")
+                live.cancel()  # out at the next pass boundary; its last update ends this stream
+                warning(self.demo.limits.over_budget("request"), "Time limit", request)
             update = live.next_update(self.poll)
             if update is None:
                 yield outputs(LIVE_OUTPUTS)  # nothing new (waiting, or a slow pass): every output skipped

@@ -144,24 +144,39 @@ COMPUTE_CHOICES = PRECISIONS  # auto, fp32, bf16, int8, int8dyn
 
 
 class ModelCache:
-    def __init__(self, loader: Loader, capacity: int = 1, guard: Callable[..., None] | None = None) -> None:
+    def __init__(self, loader: Loader, capacity: int = 1, guard: Callable[..., None] | None = None,
+                 precheck: Callable[[str], None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"the model cache holds at least one model, got capacity {capacity}")
         self._loader = loader
         self._guard = guard  # raises to refuse a load (engine.memory.check_fits), called before the loader
+        # raises at once for a spec that cannot load now (engine.loading.check_hub: the hub is out of reach),
+        # before waiting for another session's load
+        self._precheck = precheck
         self._capacity = capacity
         self._models: OrderedDict[Key, LoadedModel] = OrderedDict()
         self._users: Counter[Key] = Counter()  # runs decoding with each entry right now
         self._lock = threading.Lock()  # guards the dict and the counts; held for moments only
         self._loading = threading.Lock()  # one load at a time; a cached model is served meanwhile
 
-    def _cached(self, key: Key, use: bool) -> LoadedModel | None:
+    def _entry(self, key: Key) -> Key | None:
+        """The entry that serves ``key``: itself, or the same spec that auto put on that very path (no reload)."""
+        if key in self._models:
+            return key
+        spec, precision = key
+        for (other, path), lm in self._models.items():
+            if other == spec and path == "auto" and getattr(lm.compute, "path", None) == precision:
+                return other, path
+        return None
+
+    def _cached(self, key: Key, use: bool) -> tuple[Key, LoadedModel] | None:
         with self._lock:
-            if key not in self._models:
+            key = self._entry(key)
+            if key is None:
                 return None
             self._models.move_to_end(key)
             self._users[key] += use
-            return self._models[key]
+            return key, self._models[key]
 
     def _idle(self) -> list[Key]:
         return [key for key in self._models if not self._users[key]]  # oldest first
@@ -171,20 +186,24 @@ class ModelCache:
 
         Raises ``ModelBusy`` when the cache is full of models in use; the guard's and the loader's errors propagate.
         """
-        key = (spec.strip(), precision)
-        lm = self._cached(key, use)
-        if lm is not None:
-            return lm
+        return self._get((spec.strip(), precision), use)[1]
+
+    def _get(self, key: Key, use: bool) -> tuple[Key, LoadedModel]:
+        found = self._cached(key, use)
+        if found is not None:
+            return found
+        if self._precheck is not None:
+            self._precheck(key[0])
         with self._loading:
-            lm = self._cached(key, use)  # another session may have loaded it while this one waited
-            if lm is not None:
-                return lm
+            found = self._cached(key, use)  # another session may have loaded it while this one waited
+            if found is not None:
+                return found
             with self._lock:
                 if len(self._models) >= self._capacity and not self._idle():
                     raise ModelBusy("every model slot is in use by a run")
             if self._guard is not None:
-                self._guard(key[0], precision=precision)
-            logger.info("loading %s (compute path %s)", key[0], precision or "default")
+                self._guard(key[0], precision=key[1])
+            logger.info("loading %s (compute path %s)", key[0], key[1] or "default")
             lm = self._loader(*key)
             with self._lock:
                 idle = self._idle()
@@ -194,13 +213,12 @@ class ModelCache:
                     logger.info("dropped %s (%s) from memory (no run was using it)", *dropped)
                 self._models[key] = lm
                 self._users[key] += use
-            return lm
+            return key, lm
 
     @contextmanager
     def hold(self, spec: str, precision: str | None = None) -> Iterator[LoadedModel]:
         """The model for ``spec`` on that path, kept in memory until the block ends (a run's whole decoding)."""
-        key = (spec.strip(), precision)
-        lm = self.get(*key, use=True)
+        key, lm = self._get((spec.strip(), precision), use=True)
         try:
             yield lm
         finally:
@@ -209,9 +227,15 @@ class ModelCache:
                 if not self._users[key]:
                     del self._users[key]
 
+    def paths(self, default: str | None) -> set[str | None]:
+        """``default`` and the paths that auto chose for the models loaded on ``default`` (no reload for either)."""
+        with self._lock:
+            return {default} | {lm.compute.path for (_, path), lm in self._models.items()
+                                if path == default and getattr(lm, "compute", None) is not None}
+
     def has(self, spec: str, precision: str | None = None) -> bool:
         with self._lock:
-            return (spec.strip(), precision) in self._models
+            return self._entry((spec.strip(), precision)) is not None
 
     def entries(self) -> list[Key]:
         """(spec, precision) of every model in memory, least recently used first."""

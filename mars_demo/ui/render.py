@@ -51,7 +51,7 @@ PANE_CSS_BASE = """
   color: var(--body-text-color-subdued); border: 1px solid var(--border-color-primary); }
 .chip.running { background: #fef3c7; color: #92400e; border-color: #fcd34d; }
 .chip.done { background: #dcfce7; color: #166534; border-color: #86efac; }
-.chip.stopped { background: #fee2e2; color: #991b1b; border-color: #fca5a5; }
+.chip.stopped, .chip.limit { background: #fee2e2; color: #991b1b; border-color: #fca5a5; }
 .stats { flex-basis: 100%; color: var(--body-text-color-subdued); font-variant-numeric: tabular-nums; }
 .stats b { color: var(--body-text-color); font-weight: 600; }
 .text { padding: 12px 14px 34px; min-height: 220px; max-height: 480px; overflow-y: auto; white-space: pre-wrap;
@@ -97,6 +97,7 @@ STATUS_LABELS = {
     "idle": "waiting",
     "running": "decoding…",
     "stopped": "stopped",
+    "limit": "time limit",
     "off": "switched off",
 }
 

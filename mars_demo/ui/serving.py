@@ -24,6 +24,7 @@ from html import escape
 
 import gradio as gr
 
+from ..engine.memory import trim_heap
 from ..engine.prompts import prompt_ids
 from ..engine.replay import (
     ARRIVALS,
@@ -74,6 +75,10 @@ class ServingState:
 
     stop: threading.Event = field(default_factory=threading.Event)
     running: bool = False
+
+    def __deepcopy__(self, memo) -> ServingState:
+        """Gradio deep-copies a session's first state value, and an Event cannot be copied: a fresh state."""
+        return ServingState()
 
 
 def _number(value, name: str, label: str, integer: bool = False) -> float:
@@ -134,17 +139,19 @@ class ServingHandlers:
         except ValueError as err:
             raise error(sentence(str(err)), "Bad setting", request) from None
         path = self.demo._path(precision, request)  # checked as --precision is; the model cache's key
-        stop_at = time.monotonic() + limit
         state.stop.clear()
         state.running = True
         try:
             with ExitStack() as held:
+                cancel = self.demo._slot(held, request)  # the decoding slot until this run's work has ended
                 lm = self.demo._hold(spec, held, request, path)
-                yield from self._replays(lm, config, stop_at, state)
+                stop_at = time.monotonic() + min(limit, self.demo.limits.run_seconds)  # the host's budget caps it
+                yield from self._replays(lm, config, stop_at, state, cancel)
         finally:
             state.running = False
+            trim_heap()
 
-    def _replays(self, lm, config: SimConfig, stop_at: float, state: ServingState) -> Iterator[tuple]:
+    def _replays(self, lm, config: SimConfig, stop_at: float, state: ServingState, cancel) -> Iterator[tuple]:
         requests = make_requests(config, [prompt_ids(lm.tokenizer, p) for p in EXAMPLE_PROMPTS])
         yield self._view("Warming up…", {}, [])
         warm_up(lm, config, requests)
@@ -152,10 +159,12 @@ class ServingHandlers:
         for number, spec in enumerate(config.policies, 1):
             run = None
             for run in live_replay(lm, config, spec, requests, deadline=max(stop_at - time.monotonic(), 0.0),
-                                   stop=state.stop.is_set):
+                                   stop=lambda: state.stop.is_set() or cancel.is_set()):
                 if time.monotonic() - shown >= self.chart_every:
                     shown = time.monotonic()
                     yield self._progress(run, number, config, runs, summaries)
+                else:
+                    yield (gr.skip(),) * 6  # nothing to draw: a cancelled run ends here, before its next pass
             if run is None:
                 break
             runs.append(run)

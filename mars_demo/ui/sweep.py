@@ -7,9 +7,9 @@ Speed is tokens per forward pass, and tokens per second over the AR baseline on
 the same weights, each clock counting only its own passes; rates are pooled over
 the prompts (total tokens / total seconds), not averaged per prompt.
 
-``sweep_runs`` is a generator, one finished run at a time, so a caller can show
-progress (tqdm, gr.Progress) and stop between runs; ``frontier`` works on any
-prefix of its output.
+``sweep_passes`` is a generator of every forward pass, then each finished run, so a
+caller (the app) can stop within one pass; ``sweep_runs`` gives the finished runs
+only (tqdm, gr.Progress). ``frontier`` works on any prefix of their output.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..engine.config import DecodeConfig, check_tau
-from ..engine.decoding import collect, generate
+from ..engine.decoding import Generation, StepEvent, generate
 from ..engine.loading import LoadedModel
 from ..engine.metrics import REFERENCE_TAU, Rates, agreement, exact_match, speedup
+
+SWEEP_COLUMNS = ["tau", "prompts", "tokens / forward", "tokens / s", "speedup over AR", "agreement", "exact match"]
 
 
 @dataclass(frozen=True)
@@ -72,17 +74,33 @@ def plan(prompts: Sequence[str], taus: Sequence[float]) -> list[tuple[str, str, 
     return [run for p in prompts for run in [(p, "ar", None)] + [(p, "mars", t) for t in levels]]
 
 
-def sweep_runs(
+def sweep_passes(
     lm: LoadedModel, prompts: Sequence[str], taus: Sequence[float], config: DecodeConfig
-) -> Iterator[SweepRun]:
-    """Decode every planned run with ``config`` (its tau and mode replaced per run), one at a time."""
+) -> Iterator[StepEvent | SweepRun]:
+    """Decode every planned run with ``config`` (its tau and mode replaced per run), one at a time: each
+    forward pass's StepEvent as it is decoded, then the run's SweepRun. Closing this generator between two
+    passes ends the run under way at once (its KV cache goes with its decoder)."""
     for prompt, mode, tau in plan(prompts, taus):
         run_config = config.with_(mode=mode, tau=REFERENCE_TAU if tau is None else tau)
-        result = collect(generate(lm, prompt, run_config))
+        events, steps = generate(lm, prompt, run_config), []
+        try:
+            for event in events:
+                steps.append(event)
+                yield event
+        finally:
+            events.close()
+        result = Generation(steps)
         yield SweepRun(
             prompt=prompt, mode=mode, tau=tau, token_ids=tuple(result.token_ids), text=result.text,
             forward_passes=result.stats.forward_passes, seconds=result.stats.seconds,
         )
+
+
+def sweep_runs(
+    lm: LoadedModel, prompts: Sequence[str], taus: Sequence[float], config: DecodeConfig
+) -> Iterator[SweepRun]:
+    """The finished runs of ``sweep_passes``."""
+    return (item for item in sweep_passes(lm, prompts, taus, config) if isinstance(item, SweepRun))
 
 
 def frontier(runs: Sequence[SweepRun]) -> list[FrontierPoint]:
@@ -109,3 +127,39 @@ def frontier(runs: Sequence[SweepRun]) -> list[FrontierPoint]:
             )
         )
     return points
+
+
+def sweep_choices(prompts, taus) -> tuple[list[str], list[float]]:
+    """The sweep's prompts (text) and taus (numbers), or a TypeError / ValueError that says which is wrong."""
+    if not isinstance(prompts or [], list) or not all(isinstance(p, str) for p in prompts or []):
+        raise TypeError("the prompts must be a list of the example prompts")
+    if not isinstance(taus or [], list):
+        raise TypeError("the tau values must be a list of numbers from 0 to 1")
+    return list(prompts or []), [_tau(t) for t in taus or []]
+
+
+def sweep_desc(planned: list, i: int, prompts: list[str]) -> str:
+    if i >= len(planned):
+        return "done"
+    prompt, mode, tau = planned[i]
+    which = f"prompt {prompts.index(prompt) + 1}/{len(prompts)}"
+    return f"{which}: {'AR baseline' if mode == 'ar' else f'MARS tau {tau:g}'}"
+
+
+def sweep_table(points) -> list[list]:
+    return [
+        [
+            p.tau, p.prompts, round(p.tokens_per_forward, 3), round(p.tokens_per_second, 1),
+            None if p.speedup is None else round(p.speedup, 3), round(p.agreement, 3), round(p.exact, 3),
+        ]
+        for p in points
+    ]
+
+
+def _tau(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError("each tau must be a number from 0 to 1")
+    try:
+        return check_tau(float(value))
+    except (ValueError, OverflowError):
+        raise ValueError("each tau must be a number from 0 to 1") from None
