@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from mars_demo.cli import main
-from mars_demo.engine import kernels
+from mars_demo.engine import kernels, progress
 from mars_demo.engine.batching import collect_batch, generate_batch
 from mars_demo.engine.config import DecodeConfig, resolve_max_fed
 from mars_demo.engine.decoding import collect, generate
@@ -131,7 +132,7 @@ def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, m
     assert choose(table, rows=2) == "int8"  # more than 5% dearer at the batch's rows
     assert choose(table, rows=64) == "int8dyn"  # past the widest measured pass: the widest decides
 
-    monkeypatch.setattr(kernels, "_measure", lambda model, paths, *args: {p: table[p] for p in paths})
+    monkeypatch.setattr(kernels, "survey", lambda order, *args: {p: table[p] for p in order})
     lm = make_lm("llama")
     batch = select(lm.model, lm.tokenizer, "auto", block_size=4, table_dir=tmp_path, rows=8)
     assert batch.path == "int8dyn" and batch.rows == 8 and "for batches of 8" in batch.summary()
@@ -164,20 +165,91 @@ def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, mon
     monkeypatch.setattr(kernels, "pass_costs", counting)
     lm = make_lm("llama")
     first = select(lm.model, lm.tokenizer, "auto", block_size=4, table_dir=tmp_path)
-    n = len(kernels.PATHS)
-    assert len(calls) == n and not first.cached and first.path in kernels.PATHS
-    assert first.max_fed == cap_from_costs(first.costs_ms) and set(first.candidates) == set(kernels.PATHS)
+    full = [w for w in calls if len(w) > 1]
+    assert full[0] == range(1, 9) and len(calls) >= len(kernels.PATHS)  # each path measured or probed
+    assert not first.cached and first.path in kernels.PATHS and set(first.candidates) == set(kernels.PATHS)
+    assert first.max_fed == cap_from_costs(first.costs_ms) and "dnll" in first.candidates[first.path]
     table = json.loads((tmp_path / kernels.TABLE_FILE).read_text())
     assert len(table) == 1 and "threads=" in next(iter(table))
 
+    measured = len(calls)
     again = make_lm("llama")
     second = select(again.model, again.tokenizer, "auto", block_size=4, table_dir=tmp_path)
-    assert len(calls) == n and second.cached and second.path == first.path  # nothing measured
+    assert len(calls) == measured and second.cached and second.path == first.path  # nothing measured
+    # the model the survey converted (adopted) decodes as the cached path's conversion of a fresh copy
+    prompt = [lm.tokenizer(PROMPTS[0]).input_ids]
+    with torch.inference_mode():
+        assert torch.equal(lm.model(input_ids=torch.tensor(prompt)).logits,
+                           again.model(input_ids=torch.tensor(prompt)).logits)
 
     monkeypatch.setattr(kernels, "cpu_model", lambda: "another CPU")
     third = make_lm("llama")
     select(third.model, third.tokenizer, "auto", block_size=4, table_dir=tmp_path)
-    assert len(calls) == 2 * n and len(json.loads((tmp_path / kernels.TABLE_FILE).read_text())) == 2
+    assert len(calls) > measured and len(json.loads((tmp_path / kernels.TABLE_FILE).read_text())) == 2
+
+
+def fake_curves(rng: random.Random) -> dict[str, dict]:
+    """Every path's whole curve (growing with width, as passes do) and dnll, drawn at random."""
+    found = {}
+    for path in kernels.PATHS:
+        one, costs = rng.uniform(2, 100), {}
+        for width in range(1, 9):
+            one += rng.choice([0, 0, rng.uniform(0, 8)])
+            costs[width] = round(one, 2)
+        found[path] = {"costs_ms": costs, "dnll": 0.0 if path == "fp32" else rng.choice([0.001, 0.01, 0.05])}
+    return found
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_survey_chooses_as_measuring_every_path_would(seed):
+    rng = random.Random(seed)
+    truth = fake_curves(rng)
+    probed, measured = [], []
+
+    def curve_of(path, widths):
+        (probed if len(widths) == 1 else measured).append(path)
+        return {w: truth[path]["costs_ms"][w] for w in widths}
+
+    found = kernels.survey(kernels.SURVEY_ORDER, range(1, 9), curve_of, lambda path: truth[path]["dnll"])
+    assert set(found) == set(kernels.PATHS) and measured[0] == kernels.SURVEY_ORDER[0]
+    for rows in (1, 2, 4, 8, 16):
+        assert choose(found, rows=rows) == choose(truth, rows=rows), rows
+    for path in found:
+        assert found[path].get("pruned", False) == (path not in measured)
+
+
+def test_the_survey_measures_one_curve_where_the_likely_winner_dominates():
+    truth = {  # this machine's shape: int8dyn at the memory floor and flat, the others far above it
+        "int8dyn": {"costs_ms": curve(3.0, 0.1), "dnll": 0.001},
+        "int8": {"costs_ms": curve(12, 1.5), "dnll": 0.004},
+        "bf16": {"costs_ms": curve(30, 4), "dnll": 0.0},
+        "fp32": {"costs_ms": curve(50, 8), "dnll": 0.0},
+    }
+    widths = []
+    found = kernels.survey(kernels.SURVEY_ORDER, range(1, 9), lambda p, w: widths.append((p, len(w))) or
+                           {x: truth[p]["costs_ms"][x] for x in w}, lambda p: truth[p]["dnll"])
+    assert widths == [("int8dyn", 8), ("int8", 1), ("bf16", 1), ("fp32", 1)]
+    assert choose(found) == "int8dyn" and all(found[p]["pruned"] for p in ("int8", "bf16", "fp32"))
+    truth["int8dyn"]["dnll"] = 0.2  # the winner fails the quality check: nothing is pruned against it
+    widths.clear()
+    found = kernels.survey(kernels.SURVEY_ORDER, range(1, 9), lambda p, w: widths.append((p, len(w))) or
+                           {x: truth[p]["costs_ms"][x] for x in w}, lambda p: truth[p]["dnll"])
+    assert widths[:2] == [("int8dyn", 8), ("int8", 8)] and choose(found) == "int8"
+
+
+def test_the_survey_reports_its_stages_and_the_calibration_is_cached(tmp_path, monkeypatch):
+    stages, ranges = [], []
+    real = kernels.activation_ranges
+    monkeypatch.setattr(kernels, "activation_ranges", lambda *args: ranges.append(1) or real(*args))
+    lm = make_lm("qwen2")
+    with progress.listening(stages.append):
+        select(lm.model, lm.tokenizer, "auto", block_size=2, table_dir=tmp_path)
+    assert any(s.startswith("measuring int8dyn (compute path 1 of 4)") for s in stages) and len(ranges) == 1
+    assert stages[-1].startswith("putting the model on")
+    (tmp_path / kernels.TABLE_FILE).unlink()  # measured again, calibrated from the cache
+    again = make_lm("qwen2")
+    select(again.model, again.tokenizer, "auto", block_size=2, table_dir=tmp_path)
+    assert len(ranges) == 1
 
 
 def test_a_named_path_is_applied_and_measured_alone(tmp_path):

@@ -86,7 +86,7 @@ def test_auto_chooses_the_path_for_the_batch_it_serves(model_dir, tmp_path, monk
         "fp32": {"costs_ms": {1: 60, 2: 100}, "dnll": 0.0}, "bf16": {"costs_ms": {1: 38, 2: 53}, "dnll": 0.0},
         "int8": {"costs_ms": {1: 25, 2: 33}, "dnll": 0.0}, "int8dyn": {"costs_ms": {1: 27, 2: 29}, "dnll": 0.0},
     }
-    monkeypatch.setattr(kernels, "_measure", lambda model, paths, *args: {p: table[p] for p in paths})
+    monkeypatch.setattr(kernels, "survey", lambda order, *args: {p: table[p] for p in order})
     monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps(PROMPTS))

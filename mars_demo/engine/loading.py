@@ -44,8 +44,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from . import acceptance
-from .kernels import PRECISION_ENV, ComputePath, check_precision, select
+from . import acceptance, progress
+from .kernels import PRECISION_ENV, ComputePath, check_precision, prebuild, select
 from .machine import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -165,7 +165,8 @@ def bundled_base_dir() -> Path:
     if (target / "model.safetensors").is_file():
         return target
     source = gguf_path()
-    logger.info("converting %s to %s (first load only)", source.name, target)
+    logger.info("converting %s to %s", source.name, target)
+    progress.report("converting the GGUF weights (first start only)")
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     # The dequantised weights are ordinary fp32 tensors; drop the GGUF marker so they can be saved.
@@ -355,6 +356,8 @@ def load_model(
     if precision is not None:
         precision = check_precision(precision)
     dev, dtype = pick_device(device, precision)
+    if precision is not None and dev.type == "cpu":
+        prebuild()  # the compiler runs while the weights load and convert
     base, adapter_dir = _base_and_adapter(spec)
     merged_cache = merged_bundled_dir() if adapter_dir == BUNDLED_ADAPTER and dtype == torch.float32 else None
     if merged_cache is not None and (merged_cache / "model.safetensors").is_file():
@@ -371,6 +374,7 @@ def load_model(
 
     saved = MarsMeta.read(base) if Path(base).is_dir() else {}
     if adapter_dir is not None:
+        progress.report("merging the MARS adapter (first start only)" if merged_cache else "merging the adapter")
         model = _merge_adapter(model, adapter_dir)
         if merged_cache is not None:
             _save_atomically(model, tokenizer, merged_cache)

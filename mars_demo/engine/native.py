@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -73,9 +74,37 @@ def _texts(source: Path) -> list[str]:
     return [text, *(part for name in included for part in _texts(SOURCES / name))]
 
 
+_building: dict[str, threading.Thread] = {}  # prebuild's builds, by kernel name
+
+
+def prebuild(names: tuple[str, ...]) -> None:
+    """Build these kernels' libraries in background threads (one compiler each), unless already started.
+
+    Nothing is loaded: ``library`` waits for a name's build and then finds the file (or builds again and
+    says why it failed). A first start overlaps the compiler with other work this way.
+    """
+    found = compiler()
+    if found is None:
+        return
+    for name in names:
+        if name not in _building:
+            thread = threading.Thread(target=_build_quietly, args=(name, found, cache_dir() / "native"), daemon=True)
+            _building[name] = thread
+            thread.start()
+
+
+def _build_quietly(name: str, found: str, where: Path) -> None:
+    try:
+        build(name, found, where)
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        pass  # library() builds again and logs the reason
+
+
 @cache
 def library(name: str) -> ctypes.CDLL | None:
     """The loaded library of ``csrc/<name>.cpp``, or None: no compiler, or the build failed."""
+    if name in _building:
+        _building[name].join()
     found = compiler()
     if found is None:
         logger.info("no C++ compiler: the native %s kernel is not used", name)
