@@ -39,7 +39,6 @@ from ..engine.loading import load_for_decoding
 from ..engine.memory import ModelTooLarge, check_fits, trim_heap
 from . import charts
 from .hosting import DecodeSlot, Limits, SlotBusy
-from .loading import staged_load
 from .messages import error, number, sentence, text, warning
 from .models import (
     COMPUTE_CHOICES,
@@ -173,7 +172,7 @@ class DemoHandlers:
     def _path(self, precision: str | None, request: gr.Request | None) -> str | None:
         try:
             return self.compute_path(precision)
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             raise error(sentence(str(err)), "Bad setting", request) from None
 
     def show_model(self, spec: str | None, session: Session, precision: str | None = None,
@@ -186,14 +185,15 @@ class DemoHandlers:
         self.traces.prune()  # page loads also age out the traces of API sessions
         try:
             path = self.compute_path(precision)
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             yield self._kept(sentence(str(err)), session, "Bad setting", request, session.spec)
             return
         try:
             spec = self.policy.check(spec)
-            for lm in staged_load(self.models, spec, path):  # what the load is doing, then the model
-                if isinstance(lm, str):
-                    yield outputs(MODEL_OUTPUTS, model_line=model_message(lm))
+            if not self.models.has(spec, path):
+                loading = f"Loading {spec}… (a download or a first conversion can take a while)"
+                yield outputs(MODEL_OUTPUTS, model_line=model_message(loading))
+            lm = self.models.get(spec, path)
         except Exception as err:  # noqa: BLE001 - any failure to load is the visitor's to read, not a crash
             same = (session.spec, session.precision) == (spec, precision)
             yield self._kept(self._refusal(spec, err), session, "Model not loaded", request,

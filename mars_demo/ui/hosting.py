@@ -165,16 +165,16 @@ def slot_cleanup(slot: DecodeSlot) -> Callable:
 def one_job_per_session(blocks: gr.Blocks, limit: int, concurrency_id: str = "decode") -> Callable:
     """An event validator (runs when a call joins the queue): refuses a call from a session that already has
     ``limit`` calls on the decoding slot waiting or running. Gradio injects the request into the first
-    parameter (it must be positional); the event's own inputs follow and are not read."""
+    parameter (it must be positional); the event's own inputs follow and are not read. It answers one
+    value per input (Gradio checks the count): the verdict on the first, nothing on the rest."""
 
-    def one_job(request: gr.Request, *_inputs):
+    def one_job(request: gr.Request, *inputs):
         queue = blocks._queue
         pending = queue.pending_event_ids_session.get(request.session_hash, set())
         events = [queue.event_ids_to_events.get(event_id) for event_id in list(pending)]
         mine = sum(1 for e in events if e is not None and e.fn.concurrency_id == concurrency_id)
-        if mine >= limit:
-            return gr.validate(False, ONE_JOB)
-        return None
+        verdict = gr.validate(False, ONE_JOB) if mine >= limit else None
+        return (verdict, *[None] * (len(inputs) - 1))
 
     return one_job
 
@@ -205,16 +205,21 @@ class ClearBlocks(gr.Blocks):
         wanted = len(block_fn.inputs)
         if len(inputs) < wanted:
             names = _input_names(block_fn)[:wanted]
+            if len(names) == wanted:  # a state's place takes null: the server keeps its value
+                names = [f"{n} (null)" if getattr(b, "stateful", False) else n for n, b in zip(names, block_fn.inputs)]
             listed = f" ({', '.join(names)})" if len(names) == wanted else ""
-            raise gr.Error(f"{_endpoint(block_fn)} takes {wanted} inputs{listed}; this call sent {len(inputs)}.",
+            raise gr.Error(f"{_endpoint(block_fn)} takes {wanted} values{listed}; this call sent {len(inputs)}.",
                            title="Bad call")
 
     async def preprocess_data(self, block_fn, inputs, state, explicit_call: bool = False):
+        validator = getattr(block_fn, "is_validator_function", False)
+        if not validator:
+            self.validate_inputs(block_fn, inputs)  # its own message, not the one below
         try:
             return await super().preprocess_data(block_fn, inputs, state, explicit_call)
         except Exception as err:
-            if getattr(block_fn, "is_validator_function", False):
-                return list(inputs)  # the validators read no input: the call itself gets the message
+            if validator:  # validators read no input: the call itself gets the message
+                return [*inputs, *[None] * (len(block_fn.inputs) - len(inputs))][: len(block_fn.inputs)]
             raise gr.Error(_preprocess_message(block_fn, inputs), title="Bad call") from err
 
     async def call_function(self, block_fn, *args, **kwargs):
