@@ -10,8 +10,9 @@ from mars_demo.cli import main
 from mars_demo.engine import kernels
 from mars_demo.engine.prompts import prompt_ids
 from mars_demo.engine.replay import BURST, SimConfig, arrival_times, make_requests, percentile
+from mars_demo.engine.width import Surface
 from mars_demo.research.serve_report import format_totals, to_html
-from mars_demo.research.serve_sim import curve_ms, model_cost, simulate
+from mars_demo.research.serve_sim import clock_surface, model_cost, simulate
 from mars_demo.ui.charts import rolling_throughput, serving_figures
 
 from conftest import PROMPTS
@@ -109,15 +110,17 @@ def test_cli_cost_model_clocks(model_dir, tmp_path, clock):
                  "--precision", "fp32", "--no-quality", "--clock", clock]) == 0
     report = json.loads((out / "serve-sim.json").read_text())
     assert report["clock"].startswith("cost model") and report["curve_ms"]
+    assert report["surface"]["simulated"] and report["surface"]["name"] == clock
     assert report["settings"]["clock"] == clock and "delta_nll_base" not in report["policies"][0]["summary"]
 
 
-def test_cost_models_follow_the_curve():
-    curve = {1: 10.0, 2: 12.0, 4: 20.0}
-    assert curve_ms(curve, 1) == 10.0 and curve_ms(curve, 3) == 16.0 and curve_ms(curve, 6) == 28.0
-    cpu, gpu = model_cost(curve, "tokens-fed"), model_cost(curve, "width-free")
-    assert cpu(2, 2, "decode", 9.9) == 0.020 and gpu(2, 2, "decode", 9.9) == 0.012
-    assert gpu(2, 2, "prefill", 9.9) == cpu(2, 2, "prefill", 9.9) == 0.020
+def test_cost_models_follow_the_surface():
+    surface = Surface((1, 2), (1, 2, 4), [[10.0, 12.0, 20.0], [14.0, 18.0, 30.0]])
+    cpu, gpu = model_cost(surface, "tokens-fed"), model_cost(surface, "width-free")
+    assert cpu(2, 2, "decode", 9.9) == pytest.approx(0.018) and gpu(2, 2, "decode", 9.9) == pytest.approx(0.014)
+    assert gpu(2, 2, "prefill", 9.9) == cpu(2, 2, "prefill", 9.9) == pytest.approx(0.018)
+    flat = clock_surface(gpu, "width-free")  # what the width controller prices passes on under that clock
+    assert flat.simulated and flat.ms(2, 4) == flat.ms(2, 1) == pytest.approx(14.0)
 
 
 def test_html_escapes_what_it_shows():

@@ -21,8 +21,9 @@ from ..engine.loading import BUNDLED_BASE, default_precision, load_model
 from ..engine.prompts import prompt_ids
 from ..engine.replay import ARRIVALS, LIMITS, SimConfig
 from ..engine.serving import DEFAULT_LADDER, POLICY_HELP, split_policies
+from ..engine.width import surface_for
 from ..research.data import read_prompts
-from ..research.serve_sim import CLOCKS, batch_pass_costs, model_cost, simulate
+from ..research.serve_sim import CLOCKS, clock_surface, model_cost, simulate
 
 HELP = "simulate serving: seeded arrivals, continuous batching, tau policies compared (latency, throughput, quality)"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_varied32.json"
@@ -50,10 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="measured",
                         help="measured: the clock advances by measured pass times; tokens-fed / width-free: "
-                        "deterministic cost models on the compute path's measured curve, a CPU's shape (a pass costs "
-                        "its rows x width tokens) and a GPU's (a pass costs its rows, whatever its width)")
+                        "deterministic cost models on the measured cost surface, this machine's shape (a pass costs "
+                        "its rows and width) and a GPU's (a pass costs its rows, whatever its width)")
     parser.add_argument(
-        "--pass-costs", action="store_true", help="also measure ms per pass at rows 1,2,4,8 x width 1-5"
+        "--pass-costs", action="store_true", help="also list the cost surface's ms per pass at rows 1,2,4,8 x width 1-5"
     )
     parser.add_argument("--out", type=Path, default=Path("runs/serve-sim"), help="folder for serve-sim.json and .html")
     add_precision_argument(parser)
@@ -97,20 +98,21 @@ def run(args: argparse.Namespace) -> int:
     if not pool:
         raise UserError(f"no prompts in {args.prompts}")
     base = None if args.no_quality else (lm.model if args.base == args.model else load_model(args.base).model)
-    compute = getattr(lm.model, "mars_compute", None)
-    curve = {int(k): v for k, v in (compute.costs_ms if compute is not None else {}).items()}
-    if args.clock != "measured" and len(curve) < 2:
+    measured = surface_for(lm)
+    if args.clock != "measured" and measured is None:
         raise UserError(f"--clock {args.clock} needs a measured CPU compute path: pass --precision on a CPU")
-    pass_cost = model_cost(curve, args.clock) if args.clock != "measured" else None
+    pass_cost = model_cost(measured, args.clock) if args.clock != "measured" else None
+    surface = clock_surface(pass_cost, args.clock) if pass_cost is not None else measured
     bar = tqdm(total=config.requests * len(config.policies), desc="serve-sim", unit="request")
-    result = simulate(lm, config, pool, base=base, deadline=args.time_limit, pass_cost=pass_cost,
+    result = simulate(lm, config, pool, base=base, deadline=args.time_limit, pass_cost=pass_cost, surface=surface,
                       on_event=lambda name, event: bar.update(len(event.ended)))
     bar.close()
     verifying = config.mode in VERIFYING_MODES
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(args), "argv": sys.argv, "model": lm.name, "machine": machine(lm.model),
-        "clock": CLOCKS[args.clock], "curve_ms": curve or None,
+        "clock": CLOCKS[args.clock], "curve_ms": lm.compute.costs_ms if lm.compute else None,
+        "surface": surface.record() if surface is not None else None,
         "settings": {**vars(config), "policies": list(config.policies), "block_size": lm.meta.block_size,
                      "prompts": str(args.prompts), "pool": len(pool), "base": None if base is None else args.base,
                      "adaptive": DEFAULT_LADDER, "time_limit_s": args.time_limit, "verifying": verifying,
@@ -118,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
         **result,
     }
     if args.pass_costs:
-        report["pass_costs"] = batch_pass_costs(lm.model, (1, 2, 4, 8), (1, 2, 3, 4, 5))
+        report["pass_costs"] = [
+            {"rows": r, "width": w, "tokens": r * w, "ms": round(measured.ms(r, w), 2)}
+            for r in (1, 2, 4, 8) for w in (1, 2, 3, 4, 5)
+        ] if measured is not None else None
     figures = serving_figures({p["summary"]["policy"]: p["series"] for p in report["policies"]})
     json_path, html_path = write_report(report, args.out, figures)
     print(format_totals([p["summary"] for p in report["policies"]]))

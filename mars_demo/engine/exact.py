@@ -165,11 +165,11 @@ class DraftDepth:
         with_drafts, bare = self.cost(1 + (3 if fallback else 2) * depth), self.cost(1 + depth)
         return (expected + to_bare) / (with_drafts + to_bare * bare)
 
-    def layout(self) -> tuple[int, bool]:
-        """(D, fallback) for the next pass."""
+    def layout(self, fallbacks: tuple[bool, ...] = (True, False)) -> tuple[int, bool]:
+        """(D, fallback) for the next pass; D = 0 (a plain AR pass) where no draft pays on the curve."""
         if not self.costs or self.most < 1:
             return self.most, True
-        options = [(d, f) for d in range(1, self.most + 1) for f in (True, False)]
+        options = [(0, True)] + [(d, f) for d in range(1, self.most + 1) for f in fallbacks]
         return max(options, key=lambda option: self.rate(*option))
 
 

@@ -19,6 +19,8 @@ Figures per policy (``summarise``; ``add_agreement``):
   ttft_p50/p95         arrival to first token
   queue_max, queue_mean  requests waiting, per iteration (mean weighted by clock time)
   tau_mean             mean tau over request passes (what requests were decoded at)
+  width_mean           mean candidates a request was offered per decoding pass (1: AR passes; the width
+                       controller's choice, engine/width.py)
   tokens_per_forward   tokens / request passes (metrics.per_forward)
   agreement            metrics.agreement (mean over requests of the common prefix) with the fixed:1.0
                        output of the same request (1.0 = identical)
@@ -38,6 +40,7 @@ from .loading import LoadedModel
 from .metrics import agreement, per_forward, per_second
 from .prompts import pad_id
 from .serving import LoopEvent, PassCost, Request, ServeConfig, ServingLoop, parse_policy
+from .width import Surface
 
 ARRIVALS = ("poisson", "burst")
 BURST = 8
@@ -115,10 +118,11 @@ class PolicyRun:
     wall_seconds: float
 
 
-def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None) -> ServingLoop:
+def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None, surface: Surface | None = None
+             ) -> ServingLoop:
     return ServingLoop(
         lm.model, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer), stop_ids=eos_ids(lm.model, lm.tokenizer),
-        policy=parse_policy(policy), pass_cost=pass_cost,
+        policy=parse_policy(policy), pass_cost=pass_cost, surface=surface,
         config=ServeConfig(mode=config.mode, max_batch=config.max_batch, max_new_tokens=config.max_new_tokens,
                            block_size=lm.meta.block_size),
     )
@@ -127,13 +131,14 @@ def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None) ->
 def live_replay(
     lm: LoadedModel, config: SimConfig, policy: str, requests: Sequence[Request], *,
     pass_cost: PassCost | None = None, deadline: float | None = None,
-    stop: Callable[[], bool] | None = None,
+    stop: Callable[[], bool] | None = None, surface: Surface | None = None,
 ) -> Iterator[PolicyRun]:
     """Replay ``requests`` under ``policy``, yielding the run so far after every iteration.
 
-    ``deadline`` (wall seconds) or ``stop()``: what is left is stopped (ServingLoop.run).
+    ``deadline`` (wall seconds) or ``stop()``: what is left is stopped (ServingLoop.run). ``surface``: what
+    the width controller prices passes on (the clock's own under a cost model).
     """
-    loop = new_loop(lm, config, policy, pass_cost)
+    loop = new_loop(lm, config, policy, pass_cost, surface)
     run, started = PolicyRun(loop.policy.name, [], loop, 0.0), time.perf_counter()
     for event in loop.run(requests, deadline=deadline, stop=stop):
         run.events.append(event)
@@ -144,14 +149,14 @@ def live_replay(
 def replay(
     lm: LoadedModel, config: SimConfig, policy: str, requests: Sequence[Request], *,
     pass_cost: PassCost | None = None, deadline: float | None = None,
-    on_event: Callable[[LoopEvent], object] | None = None,
+    on_event: Callable[[LoopEvent], object] | None = None, surface: Surface | None = None,
 ) -> PolicyRun:
     """The whole replay of ``requests`` under ``policy`` (live_replay to the end)."""
     run = None
-    for run in live_replay(lm, config, policy, requests, pass_cost=pass_cost, deadline=deadline):
+    for run in live_replay(lm, config, policy, requests, pass_cost=pass_cost, deadline=deadline, surface=surface):
         if on_event is not None:
             on_event(run.events[-1])
-    return run or PolicyRun(parse_policy(policy).name, [], new_loop(lm, config, policy, pass_cost), 0.0)
+    return run or PolicyRun(parse_policy(policy).name, [], new_loop(lm, config, policy, pass_cost, surface), 0.0)
 
 
 def warm_up(lm: LoadedModel, config: SimConfig, requests: Sequence[Request]) -> None:
@@ -181,6 +186,7 @@ def summarise(run: PolicyRun) -> dict:
     makespan = max((s.finished for s in served if s.finished is not None), default=start) - start
     tokens = sum(len(s.token_ids) for s in done)
     passes = [p for s in served for p in s.trace]
+    decoding = [p for p in passes if p.kind == "decode"]
     weights = [e.seconds for e in run.events]
     latency, ttft = [s.latency for s in done], [s.ttft for s in done]
     r = lambda x, n=4: None if x is None else round(x, n)
@@ -199,6 +205,7 @@ def summarise(run: PolicyRun) -> dict:
             sum(e.queue * w for e, w in zip(run.events, weights)) / sum(weights) if sum(weights) else 0.0, 2
         ),
         "tau_mean": r(sum(p.tau for p in passes) / len(passes) if passes else None),
+        "width_mean": r(sum(p.width for p in decoding) / len(decoding) if decoding else None),
         "tokens_per_forward": r(per_forward(sum(len(p.tokens) for p in passes), len(passes)) if passes else None),
         "iterations": len(run.events),
         "wall_seconds": r(run.wall_seconds, 2),
@@ -211,6 +218,7 @@ def series(run: PolicyRun) -> dict:
     return {
         "clock": [round(e.clock, 4) for e in run.events],
         "tau": [e.tau for e in run.events],
+        "width": [e.width for e in run.events],
         "queue": [e.queue for e in run.events],
         "running": [e.running for e in run.events],
         "tokens": [e.tokens for e in run.events],
@@ -226,7 +234,8 @@ def request_records(run: PolicyRun) -> list[dict]:
             "id": s.request.id, "arrival": s.request.arrival, "status": s.status, "reason": s.reason,
             "admitted": s.admitted, "first_token": s.first_token, "finished": s.finished,
             "latency": s.latency, "ttft": s.ttft, "token_ids": s.token_ids,
-            "passes": [{"index": p.index, "kind": p.kind, "tau": p.tau, "tokens": len(p.tokens)} for p in s.trace],
+            "passes": [{"index": p.index, "kind": p.kind, "tau": p.tau, "width": p.width, "tokens": len(p.tokens)}
+                       for p in s.trace],
         }
         for s in sorted(run.loop.served.values(), key=lambda s: s.request.id)
     ]

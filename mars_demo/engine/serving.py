@@ -15,8 +15,15 @@ paper's serving claim, a lower tau when requests pile up, with no model swap. Po
                     live shared batch (engine/live.py), where a few users share a few rows.
   latency:S         latency target: one level down (LEVELS) while the recent latency or the
                     oldest wait exceeds S seconds, one level up once both are below S / 2.
-  adaptive          the default, ``DEFAULT_LADDER``: tau 1.0 while nobody waits, then
-                    0.95 from 1 waiting, 0.9 from 4, 0.8 from 8, 0.7 from 16.
+  adaptive          the default: ``DEFAULT_LADDER`` (tau 1.0 while nobody waits, then 0.95 from
+                    1 waiting, 0.9 from 4, 0.8 from 8, 0.7 from 16), priced: the ladder's tau is
+                    taken only where the cost surface says wider passes pay at the current row
+                    count (``Load.gain`` > 1: the width controller expects more tokens per ms than
+                    from one-token passes); elsewhere tau stays at the ladder's first step and the
+                    passes stay narrow. tau decides quality, width decides cost.
+Every pass's width comes from the width controller (width.py) on the loop's cost surface: the
+measured one, or the simulated clock's own when a cost model drives the clock, so the controller
+prices passes as the clock charges them.
 Rows decode in one mode for the whole loop: "mars" (tau from the policy), "hybrid" (the
 same, unaccepted guesses verified) or "exact" (tau fixed at 1.0: lossless; the policy is not
 consulted). Every request ends exactly once, "done" (eos or length),
@@ -45,6 +52,7 @@ from transformers import PreTrainedModel
 from .batching.token import TokenBatch
 from .config import MODES, VERIFYING_MODES, check_tau
 from .decoding import context_limit
+from .width import Surface, WidthController
 
 LEVELS = (1.0, 0.95, 0.9, 0.8, 0.7)  # the latency policy's steps
 DEFAULT_LADDER = ((0, 1.0), (1, 0.95), (4, 0.9), (8, 0.8), (16, 0.7))  # (requests waiting, tau)
@@ -61,6 +69,11 @@ class Load:
     max_batch: int
     recent_latency: float | None  # mean latency of the last RECENT finished requests (None before any)
     oldest_wait: float  # how long the oldest waiting request has waited (0 when none waits)
+    controller: WidthController | None = None  # prices wider passes at this row count (``gain``)
+
+    def gain(self, tau: float) -> float:
+        """Expected tokens per ms of the best width at ``tau`` over one-token passes, at the running rows."""
+        return math.inf if self.controller is None else self.controller.gain(max(self.running, 1), tau)
 
 
 class Fixed:
@@ -77,19 +90,23 @@ class Ladder:
 
     def __init__(
         self, steps: Sequence[tuple[int, float]] = DEFAULT_LADDER, name: str | None = None, demand: bool = False,
+        priced: bool = False,
     ) -> None:
         if not steps or any(int(q) != q or q < 0 for q, _ in steps):
             raise ValueError("ladder steps need queue depths that are integers of at least 0")
         self.steps = tuple(sorted((int(q), check_tau(t)) for q, t in steps))
         if self.steps[0][0] != 0:
             self.steps = ((0, 1.0), *self.steps)
-        self.demand = demand
+        self.demand, self.priced = demand, priced
         kind = "demand:" if demand else "ladder:"
         self.name = name or kind + ",".join(f"{q}={t:g}" for q, t in self.steps)
 
     def __call__(self, load: Load) -> float:
         level = load.queue + load.running if self.demand else load.queue
-        return [t for q, t in self.steps if level >= q][-1]
+        tau = [t for q, t in self.steps if level >= q][-1]
+        if self.priced and tau < self.steps[0][1] and load.gain(tau) <= 1.0:
+            return self.steps[0][1]  # wider passes do not pay at this row count: keep quality, stay narrow
+        return tau
 
 
 class LatencyTarget:
@@ -136,7 +153,7 @@ def parse_policy(text: str) -> Policy:
         if name == "fixed" and arg:
             return Fixed(float(arg))
         if name == "adaptive" and not arg:
-            return Ladder(DEFAULT_LADDER, name="adaptive")
+            return Ladder(DEFAULT_LADDER, name="adaptive", priced=True)
         if name == "ladder":
             steps = [part.split("=") for part in arg.split(",")] if arg else DEFAULT_LADDER
             return Ladder([(int(q), float(t)) for q, t in steps])
@@ -168,6 +185,7 @@ class PassStep:
     tokens: tuple[int, ...]
     clock: float  # the loop's clock when the pass ended
     confidences: tuple[float, ...] = ()  # of each accepted token
+    width: int = 0  # candidates the request was offered in this pass (1: an AR pass)
 
 
 @dataclass
@@ -210,6 +228,7 @@ class LoopEvent:
     tokens: int  # tokens accepted, all requests, prefill included
     admitted: tuple[int, ...] = ()
     ended: tuple[int, ...] = ()
+    why: str = ""  # the width controller's reason for the decoding pass's width
 
 
 @dataclass(frozen=True)
@@ -236,10 +255,12 @@ class ServingLoop:
 
     def __init__(
         self, model: PreTrainedModel, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
-        policy: Policy, pass_cost: PassCost | None = None,
+        policy: Policy, pass_cost: PassCost | None = None, surface: Surface | None = None,
     ) -> None:
+        """``surface``: what a pass costs by rows and width (width.py); None takes width to be free."""
         self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
         self.config, self.policy, self.pass_cost = config, policy, pass_cost
+        self.controller = WidthController(surface, config.block_size)
         self.clock = 0.0
         self.served: dict[int, Served] = {}
         self.queue: deque[int] = deque()
@@ -299,7 +320,7 @@ class ServingLoop:
         recent = self.finished[-RECENT:]
         oldest = self.clock - self.served[self.queue[0]].request.arrival if self.queue else 0.0
         return Load(len(self.queue), len(self.rows) + admitting, self.config.max_batch,
-                    sum(recent) / len(recent) if recent else None, max(oldest, 0.0))
+                    sum(recent) / len(recent) if recent else None, max(oldest, 0.0), self.controller)
 
     def step(self) -> LoopEvent:
         """Admit what fits, pick tau from the load that remains, prefill the newcomers, then one decoding pass."""
@@ -317,8 +338,9 @@ class ServingLoop:
             width, got, done = self._decode(tau)
             tokens, ended = tokens + got, ended + done
         self.passes += 1
+        why = self.controller.why() if width else ""
         return LoopEvent(index, self.clock, tau, load.queue, running, width, self.clock - started_clock,
-                         tokens, tuple(admitted), tuple(ended))
+                         tokens, tuple(admitted), tuple(ended), why)
 
     def _charge(self, measured: float, rows: int, width: int, kind: str) -> float:
         seconds = self.pass_cost(rows, width, kind, measured) if self.pass_cost is not None else measured
@@ -376,7 +398,8 @@ class ServingLoop:
                 continue
             served.token_ids += step.token_ids
             served.trace.append(
-                PassStep(self.passes, kind, tau, tuple(step.token_ids), self.clock, tuple(step.confidences))
+                PassStep(self.passes, kind, tau, tuple(step.token_ids), self.clock, tuple(step.confidences),
+                         step.width)
             )
             if step.token_ids and served.first_token is None:
                 served.first_token = self.clock
@@ -392,7 +415,7 @@ class ServingLoop:
         return TokenBatch(
             self.model, prompts, block_size=c.block_size, mask_id=self.mask_id,
             pad_id=self.pad_id, metric=c.metric, max_new_tokens=c.max_new_tokens, stop_ids=self.stop_ids,
-            verifying=c.mode in VERIFYING_MODES,
+            verifying=c.mode in VERIFYING_MODES, controller=self.controller,
         )
 
     # -- a whole replay ------------------------------------------------------------------------

@@ -10,6 +10,9 @@ Runs (method, tau, batch size), each over all prompts:
   ar_batch_ours     batching.token_passes with window 1: our batched greedy AR
   mars_batch        block-level batch decoder (the paper's scheme) at each tau
   mars_batch_token  token-level batch decoder at each tau
+  exact_batch       token-level batch decoder in exact mode: greedy AR's output, batched
+The token-level runs choose each pass's width with the width controller on the measured cost
+surface (engine/width.py; ``--max-fed none`` feeds the full window), recorded in ``machine``.
 
 Figures per run: tokens_per_second, tokens_per_forward, speedup (over the faster AR run at the
 same batch size, named in ``speedup_over``), delta_nll_self and agreement, as engine/metrics.py
@@ -46,6 +49,7 @@ from ..engine.kernels import cpu_model
 from ..engine.loading import LoadedModel
 from ..engine.metrics import agreement, exact_match, per_forward, per_second, speedup
 from ..engine.prompts import pad_id, prompt_ids
+from ..engine.width import known_surface, surface_for
 from .evaluation import Scorer, pooled_nll
 
 if TYPE_CHECKING:
@@ -54,11 +58,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SINGLE = ("hf_generate", "ar", "mars", "mars_exact", "prompt_lookup")
-BATCHED = ("ar_batch", "ar_batch_ours", "mars_batch", "mars_batch_token")
+BATCHED = ("ar_batch", "ar_batch_ours", "mars_batch", "mars_batch_token", "exact_batch")
 METHODS = SINGLE + BATCHED
 AR_METHODS = ("hf_generate", "ar", "ar_batch", "ar_batch_ours")
 TAU_METHODS = ("mars", "mars_batch", "mars_batch_token")
-SCHEME = {"ar_batch_ours": "token", "mars_batch": "block", "mars_batch_token": "token"}
+SCHEME = {"ar_batch_ours": "token", "mars_batch": "block", "mars_batch_token": "token", "exact_batch": "token"}
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,7 @@ def run_job(
         return run_hf(lm, prompts, job.batch_size, max_new, tick)
     if job.method == "prompt_lookup":
         return run_hf(lm, prompts, 1, max_new, tick, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
-    mode = "ar" if job.method in AR_METHODS else "exact" if job.method == "mars_exact" else "mars"
+    mode = "ar" if job.method in AR_METHODS else "exact" if job.method in ("mars_exact", "exact_batch") else "mars"
     decode = DecodeConfig(
         mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new, max_fed=config.max_fed
     )
@@ -260,6 +264,7 @@ def machine(model: PreTrainedModel) -> dict:
         "dtype": str(model.dtype).removeprefix("torch."),
         "attention": getattr(model.config, "_attn_implementation", None),
         "compute_path": compute.record() if compute is not None else None,
+        "cost_surface": surface.record() if (surface := known_surface(model)) is not None else None,
     }
     if model.device.type == "cuda":
         desc["gpu"] = torch.cuda.get_device_name(model.device)
@@ -414,6 +419,8 @@ def run_benchmark(
     jobs = plan(config)
     runs, outcomes = [], {}
     scorer = Scorer(lm.model, ids)
+    if config.max_fed == "auto" and any(b > 1 for b in config.batch_sizes):
+        surface_for(lm)  # measured (or read) before any run is timed
     bar = tqdm(total=len(jobs) * len(ids), desc="bench", unit="prompt", disable=not progress)
     for group in interleaved(jobs):
         bar.set_postfix_str(f"{len(group)} methods b={group[0].batch_size}")

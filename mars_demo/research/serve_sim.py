@@ -5,19 +5,17 @@ clock, the figures) is engine/replay.py. Here:
   delta_nll_base   pooled NLL per token under the base model (evaluation.Scorer,
                    teacher-forced) of a policy's outputs minus that of fixed:1.0's, over the
                    requests finished in both (metrics.delta_nll_key("base"))
-  batch_pass_costs the measured cost of one pass by rows and width
-  width-free       a clock (CLOCKS) that projects the same replay onto hardware where a wider
-                   pass costs no more than a one-token pass of the same rows (a GPU, for a
-                   model this small), from costs measured here
+  model_cost       the cost-model clocks (CLOCKS) on the measured cost surface (engine/width.py):
+                   "tokens-fed" charges every pass the surface's cost at its rows and width;
+                   "width-free" projects the same replay onto hardware where a wider pass costs
+                   no more than a one-token pass of the same rows (a GPU, for a model this small)
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
-import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..engine.loading import LoadedModel
 from ..engine.metrics import delta_nll_key
@@ -35,6 +33,7 @@ from ..engine.replay import (
     warm_up,
 )
 from ..engine.serving import LoopEvent, PassCost, parse_policy
+from ..engine.width import Surface
 from .evaluation import Scorer, pooled_nll
 
 
@@ -52,83 +51,41 @@ def add_quality(summaries: list[dict], runs: list[PolicyRun], reference: PolicyR
         summary[delta_nll_key("base")] = round(nll - ref_nll, 5) if both else None
 
 
-@torch.inference_mode()
-def batch_pass_costs(
-    model: PreTrainedModel, rows: tuple[int, ...] = (1, 2, 4, 8), widths: tuple[int, ...] = (1, 2, 3, 4),
-    *, context: int = 128, reps: int = 5,
-) -> list[dict]:
-    """Fastest ms (of ``reps``) of one cached pass feeding ``width`` tokens to each of ``rows`` rows.
-
-    Each row has ``context`` tokens in the cache before the pass.
-
-    The attention mask and position ids are passed as the batch decoder passes them, so the
-    compute path's attention runs as in a real pass. One record per (rows, width).
-    """
-    gen = torch.Generator().manual_seed(0)
-    vocab, device = model.config.vocab_size, model.device
-    out = []
-    for r in rows:
-        ids = torch.randint(vocab // 4, vocab // 2, (r, context + max(widths)), generator=gen).to(device)
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :context], attention_mask=torch.ones(r, context, dtype=torch.long, device=device),
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for w in widths:
-            mask = torch.ones(r, context + w, dtype=torch.long, device=device)
-            positions = torch.arange(context, context + w, device=device)[None].expand(r, -1)
-            times = []
-            for _ in range(reps + 2):  # two warm-ups
-                started = time.perf_counter()
-                model(input_ids=ids[:, context : context + w], attention_mask=mask, position_ids=positions,
-                      past_key_values=cache, use_cache=True, logits_to_keep=w)
-                times.append(time.perf_counter() - started)
-                cache.crop(-w)
-            # the fastest repetition: on a shared CPU, the one least disturbed by other work
-            out.append({"rows": r, "width": w, "tokens": r * w, "ms": round(min(times[2:]) * 1000, 2)})
-    return out
-
-
 CLOCKS = {
     "measured": "simulated clock: advances by the measured seconds of every forward pass (prefills included), "
     "jumps idle time to the next arrival; host work between passes is not charged",
-    "tokens-fed": "cost model (CPU shape): every pass, prefills included, is charged what one row feeding "
-    "rows x width tokens costs on the compute path's measured curve (curve_ms; past its end, its last slope). "
-    "Deterministic; tokens, acceptance and quality are real, only the clock is modelled",
-    "width-free": "cost model (GPU shape): a decoding pass of R rows is charged the curve's R-token cost, whatever its "
-    "width, as on a GPU where a model this small is launch- or memory-bound; prefills as in tokens-fed",
+    "tokens-fed": "cost model (this machine's shape): every pass, prefills included, is charged the measured cost "
+    "surface's ms at its rows and tokens per row (interpolated; past the grid, its last slope). Deterministic; "
+    "tokens, acceptance and quality are real, only the clock is modelled",
+    "width-free": "cost model (GPU shape): a decoding pass of R rows is charged the surface's one-token cost at R "
+    "rows, whatever its width, as on a GPU where a model this small is launch- or memory-bound; prefills as in "
+    "tokens-fed",
 }
 
 
-def curve_ms(curve: dict[int, float], tokens: int) -> float:
-    """ms of a pass feeding ``tokens`` on a measured curve {tokens fed: ms}: interpolated, extrapolated past the end."""
-    points = sorted(curve.items())
-    (x0, y0), (x1, y1) = points[-2], points[-1]
-    if tokens >= x1:
-        return y1 + (y1 - y0) / (x1 - x0) * (tokens - x1)
-    low = max((p for p in points if p[0] <= tokens), default=points[0])
-    high = min(p for p in points if p[0] >= tokens)
-    return low[1] if high[0] == low[0] else low[1] + (high[1] - low[1]) * (tokens - low[0]) / (high[0] - low[0])
-
-
-def model_cost(curve: dict[int, float], clock: str) -> PassCost:
-    """The "tokens-fed" or "width-free" clock on ``curve`` (ms by tokens fed, one row: kernels.ComputePath.costs_ms)."""
-    if len(curve) < 2:
-        raise ValueError("a cost-model clock needs the measured compute path's curve (--precision on a CPU)")
+def model_cost(surface: Surface, clock: str) -> PassCost:
+    """The "tokens-fed" or "width-free" clock (CLOCKS) on a measured cost surface."""
 
     def cost(rows: int, width: int, kind: str, measured: float) -> float:
-        fed = rows if clock == "width-free" and kind == "decode" else rows * width
-        return curve_ms(curve, fed) / 1000
+        return surface.ms(rows, 1 if clock == "width-free" and kind == "decode" else width) / 1000
 
     return cost
+
+
+def clock_surface(pass_cost: PassCost, clock: str) -> Surface:
+    """The surface a cost-model clock charges decoding passes by: what the width controller must price on."""
+    return Surface.from_cost(lambda rows, width: pass_cost(rows, width, "decode", 0.0) * 1000, name=clock)
 
 
 def simulate(
     lm: LoadedModel, config: SimConfig, pool: Sequence[Sequence[int]], *, base: PreTrainedModel | None = None,
     deadline: float | None = None, on_event: Callable[[str, LoopEvent], object] | None = None,
-    pass_cost: PassCost | None = None,
+    pass_cost: PassCost | None = None, surface: Surface | None = None,
 ) -> dict:
     """Warm up, replay the seeded requests under every policy, summarise; quality under ``base`` if given.
 
-    ``deadline``: wall seconds per policy. Returns {"requests", "policies": [{summary, series, requests}]}.
+    ``deadline``: wall seconds per policy; ``surface``: what the width controller prices passes on.
+    Returns {"requests", "policies": [{summary, series, requests}]}.
     """
     requests = make_requests(config, pool)
     warm_up(lm, config, requests)
@@ -136,11 +93,14 @@ def simulate(
     for spec in config.policies:
         name = parse_policy(spec).name
         hook = None if on_event is None else (lambda event, name=name: on_event(name, event))
-        runs.append(replay(lm, config, spec, requests, pass_cost=pass_cost, deadline=deadline, on_event=hook))
+        runs.append(replay(lm, config, spec, requests, pass_cost=pass_cost, deadline=deadline, on_event=hook,
+                           surface=surface))
     summaries = [summarise(run) for run in runs]
     reference = next((r for r in runs if r.policy == REFERENCE), None)
     if base is not None:
-        reference = reference or replay(lm, config, "fixed:1.0", requests, pass_cost=pass_cost, deadline=deadline)
+        reference = reference or replay(
+            lm, config, "fixed:1.0", requests, pass_cost=pass_cost, deadline=deadline, surface=surface
+        )
         add_quality(summaries, runs, reference, base)
     elif reference is not None:
         add_agreement(summaries, runs, reference)

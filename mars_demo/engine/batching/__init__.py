@@ -8,6 +8,10 @@ Two schemes, one event type (events.BatchEvent), the same acceptance and cache:
     own pace, with holes in a rectangular cache instead of waiting.
 DEFAULT_SCHEME is the one that was faster on our benchmark (BENCHMARKS.md).
 With window 1 (mode "ar") both are plain batched greedy AR decoding.
+On the token scheme each pass's width comes from the width controller (engine/width.py) when the
+config's ``max_fed`` is "auto" and the model has a measured cost surface: from plain AR passes where
+no mask pays on this machine to the full window where width is free. ``max_fed`` None feeds the
+full window as the paper does; an integer caps it. The block scheme always feeds the full window.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ..config import VERIFYING_MODES, DecodeConfig
 from ..decoding import LiveTau, eos_ids
 from ..loading import LoadedModel
 from ..prompts import pad_id, prompt_ids
+from ..width import Surface, WidthController, surface_for
 from .block import block_passes
 from .events import BatchEvent, BatchGeneration, BatchStats, RowStep, collect_batch
 from .token import token_passes
@@ -61,21 +66,30 @@ def stream_batch(
     block_size: int,
     scheme: str = DEFAULT_SCHEME,
     tau: LiveTau | None = None,
+    surface: Surface | None = None,
 ) -> Iterator[BatchEvent]:
-    """Decode token-id ``prompts`` under ``config``, one BatchEvent per batched forward pass."""
+    """Decode token-id ``prompts`` under ``config``, one BatchEvent per batched forward pass.
+
+    ``surface``: the cost surface the width controller prices passes on ("auto" ``max_fed``, token scheme).
+    """
     if config.stop:
         raise ValueError("stop strings are not supported in batch decoding")
-    verifying = {"verifying": True} if config.mode in VERIFYING_MODES else {}
-    if verifying and scheme != "token":
+    settings: dict = {"verifying": True} if config.mode in VERIFYING_MODES else {}
+    if settings and scheme != "token":
         raise ValueError(f"{config.mode} mode runs on the token-level batch scheme only")
     if config.mode == "exact":
         tau = LiveTau(1.0)  # lossless, whatever a live tau says (decoding.stream)
+    window = 1 if config.mode == "ar" else (config.block_size or block_size)
+    if scheme == "token":
+        widest = window if config.max_fed in (None, "auto") else min(window, config.max_fed)
+        priced = surface if config.max_fed == "auto" else None
+        settings["controller"] = WidthController(priced, widest)
     return decode_batch(
         model, prompts, scheme=scheme,
-        block_size=1 if config.mode == "ar" else (config.block_size or block_size),
+        block_size=window,
         mask_id=mask_id, pad_id=pad_id(tokenizer), tau=tau or LiveTau(config.tau), metric=config.metric,
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-        stop_ids=eos_ids(model, tokenizer), seed=config.seed, **verifying,
+        stop_ids=eos_ids(model, tokenizer), seed=config.seed, **settings,
     )
 
 
@@ -102,7 +116,8 @@ def stream_batch_ids(
     tau: LiveTau | None = None,
 ) -> Iterator[BatchEvent]:
     """Stream the batch decoding of token-id ``prompts`` (chat template applied) with a loaded model."""
+    priced = scheme == "token" and config.mode != "ar" and config.max_fed == "auto"
     return stream_batch(
         lm.model, lm.tokenizer, prompts, config, mask_id=lm.meta.mask_token_id,
-        block_size=lm.meta.block_size, scheme=scheme, tau=tau,
+        block_size=lm.meta.block_size, scheme=scheme, tau=tau, surface=surface_for(lm) if priced else None,
     )

@@ -24,6 +24,7 @@ class RowStep:
     confidences: tuple[float, ...] = ()
     finish: str | None = None  # "eos" or "length" on the pass that ended the row
     origins: tuple[str, ...] = ()  # per token, as decoding.StepEvent.origins
+    width: int = 0  # candidates the row was offered (1: an AR pass; 0: it was not in the pass)
 
 
 @dataclass(frozen=True)

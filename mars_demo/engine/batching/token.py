@@ -27,18 +27,26 @@ from ..acceptance import accept_rows
 from ..config import EXACT_IS_GREEDY
 from ..decoding import LiveTau
 from ..placement import SeededGenerator
+from ..width import Hits, WidthController
 from .events import BatchEvent, RowStep
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
 
-def slide(pending: list[list[int]], next_pos: list[int], rooms: list[int], B: int, mask_id: int, pad_id: int) -> Window:
-    """[holes | tokens accepted last pass | B-1 masks] per row: candidates from its last real token and the masks."""
+def slide(
+    pending: list[list[int]], next_pos: list[int], rooms: list[int], widths: list[int], mask_id: int, pad_id: int
+) -> Window:
+    """[holes | tokens accepted last pass | w - 1 masks | W - w holes] per row, W the widest row's width w.
+
+    Candidates come from a row's last real token and its masks; the last W - 1 columns (masks and the
+    trailing holes of narrower rows) are cropped after the pass. A row of width 1 is an AR pass.
+    """
     real, real_attn = left_pad(pending, pad_id)  # (A, n), holes on the left
-    n = len(real[0])
+    n, most = len(real[0]), max(widths)
     return Window(
-        ids=[row + [mask_id] * (B - 1) for row in real], attn=[row + [1] * (B - 1) for row in real_attn],
+        ids=[row + [mask_id] * (w - 1) + [pad_id] * (most - w) for row, w in zip(real, widths)],
+        attn=[row + [1] * (w - 1) + [0] * (most - w) for row, w in zip(real_attn, widths)],
         first_pos=[pos - (n - len(p)) for pos, p in zip(next_pos, pending)],
-        keep=B, start=[0] * len(pending), cap=[min(B, room) for room in rooms], drop=B - 1,
+        keep=most, start=[0] * len(pending), cap=[min(w, room) for w, room in zip(widths, rooms)], drop=most - 1,
     )
 
 
@@ -103,16 +111,18 @@ def token_passes(
     stop_ids: set[int] = frozenset(),
     seed: int | None = None,
     verifying: bool = False,
+    controller: WidthController | None = None,
 ) -> Iterator[BatchEvent]:
     """Decode token-id ``prompts`` together, each row at its own pace; one BatchEvent per forward pass.
 
     ``verifying``: exact / hybrid mode (decoding.decode_passes); every row verifies its own drafts.
+    ``controller``: chooses each pass's width (width.py); None feeds every pass the full window.
     """
     generator = SeededGenerator(seed)  # on the logits' device (placement.py)
     batch = TokenBatch(
         model, prompts, block_size=block_size, mask_id=mask_id, pad_id=pad_id, metric=metric,
         temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids, generator=generator,
-        verifying=verifying,
+        verifying=verifying, controller=controller,
     )
     index = 0
     while True:
@@ -135,12 +145,17 @@ class TokenBatch:
     one pass for every active row. ``join`` merges another batch's rows (prompts prefilled by
     that batch's own first pass) into this one, and ``end`` takes a row out: the serving loop
     (serving.py) admits and releases rows between passes with these, token_passes only steps.
+
+    Each pass's width comes from ``controller`` (width.py): from 1 (an AR pass) to B for "mars", and
+    the number of drafts and masks per group (0 to B - 1) for verifying passes; in the prefill the
+    masks are priced beside the prompt, where they cost next to nothing.
     """
 
     def __init__(
         self, model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, block_size: int, mask_id: int, pad_id: int,
         metric: str = "probability", temperature: float = 0.0, max_new_tokens: int = 256,
         stop_ids: set[int] = frozenset(), generator: SeededGenerator | None = None, verifying: bool = False,
+        controller: WidthController | None = None,
     ) -> None:
         if verifying and temperature > 0:
             raise ValueError(EXACT_IS_GREEDY)
@@ -157,39 +172,67 @@ class TokenBatch:
         self.drafts: list[list[int]] = [[] for _ in prompts]
         # verifying: each row's committed tokens, where exact passes look up drafts
         self.history = [list(p) for p in prompts]
+        self.controller = controller or WidthController(None, block_size)
+        self.hits: list[Hits | None] = [None] * len(prompts)  # each row's running acceptance, made at its first use
+        self.depths = exact.DraftDepth(block_size - 1, None)  # verifying: the pooled share of drafts held
+        self.passes = 0
 
     @torch.inference_mode()
     def step(self, tau: float) -> tuple[list[RowStep], int]:
         """One forward pass for every active row; (a step per book row, columns fed). Finished rows leave."""
         if self.verifying:
-            if tau >= 1.0:  # exact passes also draft by lookup, as decode_passes does
-                for r in self.active:
-                    self.drafts[r] = exact.pick_drafts(self.history[r], self.drafts[r], self.B - 1)
+            depth = self._depth()
+            for r in self.active:  # exact passes also draft by lookup, as decode_passes does
+                drafts = self.drafts[r]
+                self.drafts[r] = exact.pick_drafts(self.history[r], drafts, depth) if tau >= 1.0 else drafts[:depth]
+            drafted = {r: len(self.drafts[r]) for r in self.active}
             steps, fed = _verify_pass(
-                self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, self.B - 1, self.mask_id,
+                self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, depth, self.mask_id,
                 self.pad_id, tau, self.metric,
             )
-            for r in self.active:
+            for r, count in drafted.items():
+                self.depths.observe(count, sum(o == exact.DRAFT for o in steps[r].origins))
                 self.history[r] += steps[r].token_ids
         else:
             steps, fed = self._window_pass(tau)
         self.active = self.kv.drop_finished(self.book, self.active)
+        self.passes += 1
         return steps, fed
 
+    def _depth(self) -> int:
+        """Drafts (and masks per group) of the next verifying pass: by expected tokens per ms at this many rows."""
+        surface, most = self.controller.surface, self.B - 1
+        if surface is None or not self.passes:
+            return most
+        rows = len(self.active)
+        self.depths.costs = {w: surface.ms(rows, w) for w in range(1, 3 * most + 2)}
+        depth, _ = self.depths.layout(fallbacks=(True,))
+        self.controller.last = (1 + depth, self.depths.rate(depth, True) / self.depths.rate(0, True))
+        return depth
+
     def _window_pass(self, tau: float) -> tuple[list[RowStep], int]:
-        active, book = self.active, self.book
-        width = 1 if tau >= 1.0 else self.B  # at tau = 1.0 only candidate 1 can pass: no masks
-        window = slide([self.pending[r] for r in active], [self.next_pos[r] for r in active],
-                       [book.room(r) for r in active], width, self.mask_id, self.pad_id)
+        active, book, controller = self.active, self.book, self.controller
+        rooms = [book.room(r) for r in active]
+        for r in active:
+            self.hits[r] = self.hits[r] or controller.new_row(tau)
+        hits = [self.hits[r] for r in active]
+        prompt = max(len(self.pending[r]) for r in active) if not self.passes else None  # the prefill's columns
+        width = controller.choose(hits, rooms, tau, prompt)
+        widths = [max(1, min(width, room)) for room in rooms]
+        window = slide([self.pending[r] for r in active], [self.next_pos[r] for r in active], rooms, widths,
+                       self.mask_id, self.pad_id)
         logits = self.kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
         self.kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
         tokens, confs = accept_rows(
             logits, window.start, window.cap, tau, self.metric, self.temperature, self.generator.on(logits.device)
         )
         steps = book.commit_all(active, tokens, confs)
-        for r in active:
+        for i, r in enumerate(active):
+            if tau < 1.0:
+                controller.observe(hits[i], tau, widths[i] - 1, len(tokens[i]) - 1)
             self.next_pos[r] += len(self.pending[r])
             self.pending[r] = list(steps[r].token_ids)
+            steps[r] = replace(steps[r], width=widths[i])
         return steps, window.width
 
     @torch.inference_mode()
@@ -200,7 +243,7 @@ class TokenBatch:
             return []
         first = self.book.extend(other.book, live)
         rows = list(range(first, first + len(live)))
-        for name in ("pending", "next_pos", "drafts", "history"):
+        for name in ("pending", "next_pos", "drafts", "history", "hits"):
             getattr(self, name).extend(getattr(other, name)[r] for r in live)
         if self.active:
             self.kv.merge(other.kv)
@@ -237,7 +280,8 @@ def _verify_pass(
     kv.crop(ids.shape[1] - max(kept))  # both mask groups and the drafts no row kept
     for i, (r, v) in enumerate(zip(active, verdicts)):
         kv.hide(i, cached + kept[i], cached + max(kept))  # this row's rejected drafts, kept for another row's sake
-        steps[r] = replace(steps[r], origins=tuple(v.origins[: len(steps[r].token_ids)]))
+        width = 1 + len(rows_drafts[i]) + L
+        steps[r] = replace(steps[r], origins=tuple(v.origins[: len(steps[r].token_ids)]), width=width)
         next_pos[r] += len(pending[r]) + v.cached
         pending[r], drafts[r] = v.tokens[v.cached :], v.drafts
     return steps, ids.shape[1]

@@ -1,0 +1,319 @@
+"""How wide a pass should be: the measured cost surface and the width controller.
+
+A forward pass over R rows that feeds w tokens to each row costs ``Surface.ms(R, w)``. On a
+GPU that surface is nearly flat in w until large batches, which is the paper's regime: masks
+are free and every row should get all of them. On a small CPU a pass is bound by compute as
+soon as a few rows are fed, and a mask that returns 0.2 tokens can cost more than the pass it
+rides on. So the width is chosen, per pass, from what the surface says it costs and what the
+rows' running acceptance says it returns:
+
+    W = argmax_w  sum_r E_r(min(w, cap_r)) / ms(R, n_w - 1 + w)
+
+E_r(w) is the tokens row r is expected to commit from a pass of width w (one, plus each mask
+reached by an unbroken run of accepted ones: ``Hits``). W = 1 is plain (batched) AR, and it
+is chosen whenever no mask pays. n_w is what a pass feeds before its masks: the tokens accepted
+the pass before, which in the steady state of width w is the rows' most expected, max_r E_r(w)
+(every token committed is fed once more, so a wide pass also widens the next one); in the
+prefill it is the longest prompt, beside which masks cost next to nothing.
+The width changes how many candidates a pass can accept,
+never which token a candidate is, so exact mode stays greedy AR's text at any width.
+
+A pass is a rectangle: every row is fed W columns, a row fed fewer gets holes (columns no one
+attends to), which cost as much as masks. A row's own width is therefore W, or less where its
+token limit leaves less room (batching/token.py); a backend that packs rows without holes
+would let each row take its own width, and the surface would then be priced per token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .machine import cache_dir
+
+if TYPE_CHECKING:
+    from .loading import LoadedModel
+
+GRID_ROWS = (1, 2, 3, 4, 6, 8)
+GRID_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 16, 32, 64)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
+SURFACE_FILE = "cost-surfaces.json"
+SURFACE_VERSION = 1
+SURFACE_CONTEXT = 128  # cached tokens per row before a measured pass
+SURFACE_ROUNDS = 5  # rounds kept per point (after two warm-up rounds): the fastest is the pass alone
+
+
+class Surface:
+    """Milliseconds of one pass by (rows, tokens fed per row), on a grid; interpolated between its points.
+
+    ``simulated``: the grid is a cost model, not a measurement (serve-sim's clocks); every report
+    that shows it says so. A grid with a missing or non-finite entry is refused with one message.
+    """
+
+    def __init__(self, rows: Sequence[int], widths: Sequence[int], ms: Sequence[Sequence[float]], *,
+                 name: str = "measured", simulated: bool = False) -> None:
+        self.rows, self.widths = tuple(int(r) for r in rows), tuple(int(w) for w in widths)
+        self.grid = [[float(x) for x in line] for line in ms]
+        self.name, self.simulated = name, simulated
+        problem = _grid_problem(self.rows, self.widths, self.grid)
+        if problem:
+            raise ValueError(f"the cost surface cannot be used: {problem}")
+
+    @classmethod
+    def from_cost(cls, cost: Callable[[int, int], float], *, rows: Sequence[int] = GRID_ROWS,
+                  widths: Sequence[int] = GRID_WIDTHS, name: str, simulated: bool = True) -> Surface:
+        """A surface from a cost model ``cost(rows, width)`` in ms (a simulated clock)."""
+        return cls(rows, widths, [[cost(r, w) for w in widths] for r in rows], name=name, simulated=simulated)
+
+    @classmethod
+    def from_record(cls, record: dict) -> Surface:
+        try:
+            return cls(record["rows"], record["widths"], record["ms"], name=record.get("name", "measured"),
+                       simulated=bool(record.get("simulated", False)))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"the cost surface cannot be used: a field is missing or malformed ({err})") from None
+
+    def record(self) -> dict:
+        return {"name": self.name, "simulated": self.simulated, "rows": list(self.rows), "widths": list(self.widths),
+                "ms": [[round(x, 3) for x in line] for line in self.grid]}
+
+    def ms(self, rows: int, width: int) -> float:
+        """Interpolated linearly between grid points; past the grid's end, its last slope (never downwards)."""
+        line = [_interpolate(self.widths, costs, width) for costs in self.grid]
+        return _interpolate(self.rows, line, rows)
+
+    def summary(self, widths: Sequence[int] = (1, 2, 4)) -> str:
+        """One line: ms by width for a few row counts, e.g. "1 row 1:2.3 2:2.4 4:2.6; 8 rows 1:4.1 ..."."""
+        shown = [r for r in (1, 4, max(self.rows)) if r in self.rows]
+        parts = []
+        for r in dict.fromkeys(shown):
+            curve = " ".join(f"{w}:{self.ms(r, w):.1f}" for w in widths)
+            parts.append(f"{r} row{'s' if r > 1 else ''} {curve}")
+        kind = "simulated " if self.simulated else ""
+        return f"{kind}ms per pass by tokens per row: " + "; ".join(parts)
+
+
+def _grid_problem(rows: tuple[int, ...], widths: tuple[int, ...], grid: list[list[float]]) -> str | None:
+    if not rows or not widths:
+        return "it has no rows or no widths"
+    if any(r < 1 for r in rows) or any(w < 1 for w in widths):
+        return "rows and widths must be at least 1"
+    if list(rows) != sorted(set(rows)) or list(widths) != sorted(set(widths)):
+        return "rows and widths must be increasing"
+    if len(grid) != len(rows) or any(len(line) != len(widths) for line in grid):
+        return f"it needs {len(rows)} x {len(widths)} entries (rows x widths), some are missing"
+    bad = [(r, w) for r, line in zip(rows, grid) for w, x in zip(widths, line) if not (math.isfinite(x) and x > 0)]
+    if bad:
+        r, w = bad[0]
+        return f"the entry at {r} rows x {w} tokens is not a positive number ({len(bad)} such entries)"
+    return None
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = (xs[-2], ys[-2]), (xs[-1], ys[-1])
+    return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
+
+
+@torch.inference_mode()
+def measure(model: PreTrainedModel, *, rows: Sequence[int] = GRID_ROWS, widths: Sequence[int] = GRID_WIDTHS,
+            context: int = SURFACE_CONTEXT, rounds: int = SURFACE_ROUNDS) -> Surface:
+    """Measure the surface: a cached pass feeding ``width`` tokens to each of ``rows`` rows after ``context`` tokens.
+
+    The attention mask and position ids are passed as the batch decoders pass them, so the compute
+    path's attention runs as in a real pass. The widths of one row count take turns, one pass each per
+    round, and the fastest round of each is kept: other load only ever adds time.
+    """
+    gen = torch.Generator().manual_seed(0)
+    vocab, device = model.config.vocab_size, model.device
+    grid = []
+    for r in rows:
+        ids = torch.randint(vocab // 4, vocab // 2, (r, context + max(widths)), generator=gen).to(device)
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids[:, :context], attention_mask=torch.ones(r, context, dtype=torch.long, device=device),
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        seen: dict[int, list[float]] = {w: [] for w in widths}
+        for _ in range(rounds + 2):  # two warm-up rounds
+            for w in widths:
+                mask = torch.ones(r, context + w, dtype=torch.long, device=device)
+                positions = torch.arange(context, context + w, device=device)[None].expand(r, -1)
+                started = time.perf_counter()
+                model(input_ids=ids[:, context : context + w], attention_mask=mask, position_ids=positions,
+                      past_key_values=cache, use_cache=True, logits_to_keep=w)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                seen[w].append(time.perf_counter() - started)
+                cache.crop(-w)
+        grid.append([min(seen[w][2:]) * 1000 for w in widths])
+    return Surface(rows, widths, grid)
+
+
+def cached_surface(model: PreTrainedModel, key: str, table_dir: Path) -> Surface:
+    """The surface of ``model`` measured once per ``key`` (the compute path's cost-table key) and kept on disk."""
+    path = table_dir / SURFACE_FILE
+    full_key = f"{key}|surface={SURFACE_VERSION}"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if full_key in table:
+        try:
+            return Surface.from_record(table[full_key])
+        except ValueError:
+            pass  # a damaged entry is measured again
+    surface = measure(model)
+    table[full_key] = surface.record()
+    table_dir.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + f".tmp{os.getpid()}")
+    staging.write_text(json.dumps(table, indent=1) + "\n")
+    staging.replace(path)
+    return surface
+
+
+class Hits:
+    """Running share of candidates accepted at each depth (depth 1: the first mask or draft after the AR token).
+
+    Depth j counts as tried when every depth before it held. ``decay`` (< 1) forgets old passes, so a
+    row whose text turns from prose to code, or a tau that changes, moves the estimate within tens of
+    passes. PRIOR: pseudo-counts (held, tried), a first guess of one in two.
+    """
+
+    PRIOR = (1.0, 2.0)
+
+    def __init__(self, depth: int, decay: float = 1.0) -> None:
+        self.decay = decay
+        self.held = [self.PRIOR[0]] * depth
+        self.tried = [self.PRIOR[1]] * depth
+
+    def observe(self, offered: int, extra: int) -> None:
+        """A pass offered ``offered`` candidates past the AR token and the first ``extra`` of them held."""
+        if offered < 1:
+            return
+        if self.decay < 1:
+            self.held = [h * self.decay for h in self.held]
+            self.tried = [t * self.decay for t in self.tried]
+        for j in range(min(extra + 1, offered, len(self.tried))):
+            self.tried[j] += 1
+            self.held[j] += j < extra
+
+    def share(self, j: int) -> float:
+        return self.held[j] / self.tried[j]
+
+    def expected(self, width: int) -> float:
+        """Tokens a pass of ``width`` (the AR token and width - 1 candidates) is expected to commit."""
+        reach, total = 1.0, 1.0
+        for j in range(min(width - 1, len(self.held))):
+            reach *= self.share(j)
+            total += reach
+        return total
+
+
+class WidthController:
+    """Chooses each pass's width (module docstring) and keeps what it chose and why.
+
+    ``surface`` None: width is taken to be free (an unmeasured device): every pass gets ``most``.
+    Each row's acceptance is its own ``Hits``, started from the batch's pooled share at the same tau.
+    """
+
+    ROW_DECAY = 0.95  # a row's own share follows its last tens of passes
+    POOLED_DECAY = 0.99  # the batch's, its last hundreds of row passes
+
+    def __init__(self, surface: Surface | None, most: int) -> None:
+        self.surface, self.most = surface, max(int(most), 1)
+        self.pooled: dict[float, Hits] = {}
+        self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
+
+    def new_row(self, tau: float) -> Hits:
+        hits = Hits(self.most - 1, self.ROW_DECAY)
+        pooled = self.pooled.get(round(tau, 4))
+        if pooled is not None:  # start from what the batch's rows have shown at this tau
+            hits.held = [Hits.PRIOR[1] * pooled.share(j) for j in range(self.most - 1)]
+        return hits
+
+    def observe(self, row: Hits, tau: float, offered: int, extra: int) -> None:
+        row.observe(offered, extra)
+        self.pooled.setdefault(round(tau, 4), Hits(self.most - 1, self.POOLED_DECAY)).observe(offered, extra)
+
+    def rate(self, rows: Sequence[Hits], caps: Sequence[int], width: int, fed: int | None = None) -> float:
+        """Expected committed tokens per ms of passes of ``width`` over these rows (module docstring).
+
+        ``fed``: the columns this pass feeds before its masks (a prefill); None: the steady state's.
+        """
+        expected = [h.expected(min(width, cap)) for h, cap in zip(rows, caps)]
+        before = max(expected) if fed is None else fed
+        return sum(expected) / self.surface.ms(len(rows), before - 1 + width)
+
+    def choose(self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None) -> int:
+        """The width of the next pass (``fed`` as in ``rate``): 1 at tau = 1.0, else the best rate."""
+        if tau >= 1.0 or not rows:
+            self.last = (1, 1.0)
+        elif self.surface is None:
+            self.last = (self.most, math.inf)
+        else:
+            rates = {w: self.rate(rows, caps, w, fed) for w in range(1, self.most + 1)}
+            best = max(rates, key=lambda w: (rates[w], -w))
+            self.last = (best, rates[best] / rates[1])
+        return self.last[0]
+
+    def gain(self, rows: int, tau: float) -> float:
+        """How much faster than width 1 the best width is expected to be at ``rows`` rows and ``tau``.
+
+        From the pooled acceptance at that tau (the prior where none was seen). inf without a surface.
+        """
+        if self.surface is None:
+            return math.inf
+        if tau >= 1.0 or rows < 1:
+            return 1.0
+        hits = self.pooled.get(round(tau, 4)) or Hits(self.most - 1)
+        every = [hits] * rows
+        caps = [self.most] * rows
+        return max(self.rate(every, caps, w) for w in range(1, self.most + 1)) / self.rate(every, caps, 1)
+
+    def why(self) -> str:
+        """One line: the width chosen last and the reason."""
+        width, gain = self.last
+        if self.surface is None:
+            return f"width {width}: no measured cost surface, so every mask is fed"
+        if width == 1:
+            return "width 1 (plain AR passes): on this machine's cost surface no mask pays for itself here"
+        return f"width {width}: expected {gain:.2f}x the tokens per ms of one-token passes on the cost surface"
+
+
+_SURFACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its surface, within this process
+
+
+def surface_for(lm: LoadedModel) -> Surface | None:
+    """The measured surface of a model on a measured CPU compute path, cached on disk with the path's cost table.
+
+    None where there is no measured path (a GPU, a model loaded as it is): width is then taken to be free.
+    """
+    if lm.compute is None:
+        return None
+    if lm.model not in _SURFACES:
+        from .kernels import table_key  # the compute path's own key: the same machine, kernels, model and path
+
+        key = f"{table_key(lm.model, range(1, 2))}|path={lm.compute.path}"
+        _SURFACES[lm.model] = cached_surface(lm.model, key, cache_dir())
+    return _SURFACES[lm.model]
+
+
+def known_surface(model: PreTrainedModel) -> Surface | None:
+    """The surface ``surface_for`` measured or read for ``model`` in this process, if any (reports, no measuring)."""
+    return _SURFACES.get(model)
+
+
+def affordable_rate(surface: Surface, rows: int, tokens_per_request: float) -> float:
+    """Requests per second that batched AR passes of ``rows`` rows sustain on ``surface`` (one token a row a pass)."""
+    return rows / surface.ms(rows, 1) * 1000 / max(tokens_per_request, 1.0)

@@ -1,0 +1,222 @@
+"""The cost surface and the width controller: injected surfaces on tiny models, no timing.
+
+What must hold:
+  * where width is free, every pass gets the full window; where every token fed costs a pass's
+    worth, every decoding pass is width 1 and the output is batched AR's, token for token;
+  * a pass whose rows have different widths leaves each row exactly as decoding it alone would;
+  * exact and hybrid at tau 1.0 with the controller are greedy AR;
+  * the priced adaptive policy lowers tau only where the surface says wider passes pay;
+  * a surface with missing or non-finite entries is refused with one message.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mars_demo.engine.batching import collect_batch, decode_batch, stream_batch
+from mars_demo.engine.config import DecodeConfig
+from mars_demo.engine.decoding import LiveTau, eos_ids
+from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.serving import Load, Request, ServeConfig, ServingLoop, parse_policy
+from mars_demo.engine.width import Hits, Surface, WidthController, affordable_rate, cached_surface, measure
+
+from conftest import PROMPTS
+
+ROWS, WIDTHS = (1, 2, 4, 8), (1, 2, 3, 4, 8, 16)
+FREE = Surface.from_cost(lambda r, w: 5.0 + r, rows=ROWS, widths=WIDTHS, name="free")  # width costs nothing
+LINEAR = Surface.from_cost(lambda r, w: 1.0 + 10.0 * r * w, rows=ROWS, widths=WIDTHS, name="linear")
+MIXED = [PROMPTS[0], " ".join(PROMPTS), PROMPTS[2], PROMPTS[3][:5]]
+NEW = 20
+
+
+def _ids(lm, prompts=MIXED):
+    return [prompt_ids(lm.tokenizer, p) for p in prompts]
+
+
+def _batch(lm, ids, tau, *, surface=None, verifying=False, controller=None, max_new=NEW, block_size=4):
+    controller = controller or WidthController(surface, block_size)
+    events = list(decode_batch(
+        lm.model, ids, scheme="token", block_size=block_size, mask_id=lm.meta.mask_token_id,
+        pad_id=lm.tokenizer.pad_token_id, tau=LiveTau(tau), max_new_tokens=max_new,
+        stop_ids=eos_ids(lm.model, lm.tokenizer), verifying=verifying, controller=controller,
+    ))
+    return collect_batch(iter(events)).token_ids, events
+
+
+# -- the surface -------------------------------------------------------------------------------------
+def test_surface_interpolates_between_points_and_extends_past_the_grid():
+    surface = Surface((1, 4), (1, 2, 4), [[10.0, 12.0, 20.0], [16.0, 24.0, 40.0]])
+    assert surface.ms(1, 2) == 12.0 and surface.ms(4, 4) == 40.0  # grid points as measured
+    assert surface.ms(1, 3) == pytest.approx(16.0)  # between widths
+    assert surface.ms(2, 1) == pytest.approx(12.0)  # between row counts: 10 + (16 - 10) / 3
+    assert surface.ms(1, 6) == pytest.approx(28.0)  # past the widest: the last slope
+    assert surface.ms(8, 1) == pytest.approx(24.0)  # past the most rows: the last slope
+    assert Surface.from_record(surface.record()).ms(2, 3) == pytest.approx(surface.ms(2, 3))
+
+
+@pytest.mark.parametrize("grid, problem", [
+    ([[10.0, math.nan]], "not a positive number"),
+    ([[10.0, math.inf]], "not a positive number"),
+    ([[10.0, -1.0]], "not a positive number"),
+    ([[10.0]], "some are missing"),
+    ([], "some are missing"),
+])
+def test_a_surface_with_missing_or_non_finite_entries_is_refused(grid, problem):
+    with pytest.raises(ValueError, match=f"^the cost surface cannot be used: .*{problem}"):
+        Surface((1,), (1, 2), grid)
+
+
+def test_a_damaged_record_is_refused_with_one_message():
+    with pytest.raises(ValueError, match="^the cost surface cannot be used: a field is missing"):
+        Surface.from_record({"rows": [1], "widths": [1]})
+
+
+def test_measured_surface_is_cached_by_key(tiny_llama, tmp_path):
+    surface = measure(tiny_llama.model, rows=(1, 2), widths=(1, 2), context=8, rounds=1)
+    assert surface.rows == (1, 2) and all(x > 0 for line in surface.grid for x in line) and not surface.simulated
+    first = cached_surface(tiny_llama.model, "k", tmp_path)
+    again = cached_surface(tiny_llama.model, "k", tmp_path)  # read back, not measured again
+    assert again.record() == first.record()
+
+
+# -- the controller ----------------------------------------------------------------------------------
+def test_controller_feeds_full_width_where_width_is_free_and_one_where_it_costs_linearly():
+    rows = [Hits(3) for _ in range(4)]  # the prior: one candidate in two holds
+    assert WidthController(FREE, 4).choose(rows, [9] * 4, 0.9) == 4
+    assert WidthController(LINEAR, 4).choose(rows, [9] * 4, 0.9) == 1
+    assert WidthController(None, 4).choose(rows, [9] * 4, 0.9) == 4  # no surface: width taken to be free
+    assert WidthController(FREE, 4).choose(rows, [9] * 4, 1.0) == 1  # tau 1.0: only candidate 1 can pass
+
+
+def test_controller_follows_each_rows_acceptance():
+    curve = Surface.from_cost(lambda r, w: 10.0 + 1.0 * r * (w - 1), rows=ROWS, widths=WIDTHS, name="gentle")
+    controller = WidthController(curve, 4)
+    rows = [controller.new_row(0.9) for _ in range(2)]
+    for _ in range(60):  # masks that never hold
+        for row in rows:
+            controller.observe(row, 0.9, 3, 0)
+    assert controller.choose(rows, [9, 9], 0.9) == 1 and controller.gain(2, 0.9) == 1.0
+    for _ in range(60):  # masks that always hold
+        for row in rows:
+            controller.observe(row, 0.9, 3, 3)
+    assert controller.choose(rows, [9, 9], 0.9) == 4 and controller.gain(2, 0.9) > 1.0
+    assert controller.new_row(0.9).share(0) > 0.5  # a new row starts from the pooled share at that tau
+
+
+def test_where_width_costs_linearly_mars_feeds_width_1_and_equals_batched_ar(tiny_lm):
+    ids = _ids(tiny_lm)
+    narrow, events = _batch(tiny_lm, ids, 0.0, surface=LINEAR)
+    assert all(step.width in (0, 1) for e in events[1:] for step in e.rows)  # every decoding pass: AR passes
+    # Beside a prompt the masks cost next to nothing even here, so the prefill may accept several tokens; from
+    # there on each row is greedy AR's continuation, token for token.
+    first = [list(step.token_ids) for step in events[0].rows]
+    for row, prompt, start in zip(narrow, ids, first):
+        assert row[: len(start)] == start
+        ar, _ = _batch(tiny_lm, [prompt + start], 1.0, max_new=NEW - len(start))
+        assert row[len(start) :] == ar[0]
+
+
+def test_where_width_is_free_mars_feeds_the_full_window(tiny_lm):
+    ids = _ids(tiny_lm)
+    wide, events = _batch(tiny_lm, ids, 0.0, surface=FREE)
+    plain, _ = _batch(tiny_lm, ids, 0.0)  # no controller: the full window, as before
+    assert wide == plain
+    assert max(step.width for e in events[1:] for step in e.rows) == 4
+
+
+class Schedule(WidthController):
+    """A controller that hands out a fixed cycle of widths, pass after pass."""
+
+    def __init__(self, widths):
+        super().__init__(FREE, 4)
+        self.widths, self.calls = widths, 0
+
+    def choose(self, rows, caps, tau, fed=None):
+        self.calls += 1
+        return self.widths[(self.calls - 1) % len(self.widths)]
+
+
+def test_rows_of_different_widths_in_one_pass_each_equal_decoding_alone(tiny_lm):
+    ids = _ids(tiny_lm)
+    cycle = [4, 2, 1, 3]
+    together, events = _batch(tiny_lm, ids, 0.2, controller=Schedule(cycle), max_new=9)  # rows accept unevenly
+    mixed = [e for e in events if len({s.width for s in e.rows if s.width}) > 1]
+    assert mixed, "the token limit should leave some rows narrower than others in some pass"
+    for row, prompt in zip(together, ids):
+        alone, _ = _batch(tiny_lm, [prompt], 0.2, controller=Schedule(cycle), max_new=9)
+        assert row == alone[0]
+
+
+GENTLE = Surface.from_cost(lambda r, w: 10.0 + 0.5 * r * w, rows=ROWS, widths=WIDTHS, name="gentle")
+
+
+@pytest.mark.parametrize("surface", [FREE, LINEAR, GENTLE], ids=["free", "linear", "gentle"])
+def test_verifying_passes_at_tau_1_with_the_controller_are_greedy_ar(tiny_lm, surface):
+    """Exact mode, and hybrid mode at tau 1.0 (the same passes): greedy AR, whatever widths the controller picks."""
+    ids = _ids(tiny_lm)
+    ar, _ = _batch(tiny_lm, ids, 1.0)
+    out, events = _batch(tiny_lm, ids, 1.0, surface=surface, verifying=True)
+    assert out == ar
+    widths = {s.width for e in events[1:] for s in e.rows if s.width}
+    if surface is FREE:
+        assert max(widths) == 1 + 2 * 3  # full depth: the AR token, three drafts, three masks
+    if surface is LINEAR:
+        assert widths == {1}  # no draft pays: plain AR passes
+
+
+def test_exact_rows_under_the_controller_each_equal_decoding_alone(tiny_lm):
+    ids = _ids(tiny_lm)
+    together, _ = _batch(tiny_lm, ids, 1.0, surface=GENTLE, verifying=True)
+    for row, prompt in zip(together, ids):
+        alone, _ = _batch(tiny_lm, [prompt], 1.0, verifying=True)
+        assert row == alone[0]
+
+
+def test_stream_batch_prices_passes_only_with_auto_max_fed(tiny_llama):
+    ids = _ids(tiny_llama)[:2]
+    common = {"mask_id": tiny_llama.meta.mask_token_id, "block_size": 4, "surface": LINEAR}
+    auto = list(stream_batch(tiny_llama.model, tiny_llama.tokenizer, ids,
+                             DecodeConfig(tau=0.0, max_new_tokens=8), **common))
+    paper = list(stream_batch(tiny_llama.model, tiny_llama.tokenizer, ids,
+                              DecodeConfig(tau=0.0, max_new_tokens=8, max_fed=None), **common))
+    assert max(s.width for e in auto[1:] for s in e.rows) == 1
+    assert max(s.width for e in paper[1:] for s in e.rows) == 4
+
+
+# -- policies and serving ----------------------------------------------------------------------------
+def _load(queue, running, controller):
+    return Load(queue, running, 8, None, 0.0, controller)
+
+
+def test_adaptive_lowers_tau_only_where_wider_passes_pay():
+    adaptive = parse_policy("adaptive")
+    free, linear = WidthController(FREE, 4), WidthController(LINEAR, 4)
+    assert adaptive(_load(0, 4, free)) == 1.0  # nobody waits: quality first, on any surface
+    assert adaptive(_load(5, 8, free)) == 0.9  # a queue and free width: the ladder's tau
+    assert adaptive(_load(5, 8, linear)) == 1.0  # a queue, but wider passes cost more than they return
+    assert adaptive(_load(20, 8, None)) == 0.7  # no surface: width taken to be free
+    assert parse_policy("fixed:0.9")(_load(5, 8, linear)) == 0.9  # fixed policies are not priced
+
+
+@pytest.mark.parametrize("surface, widest", [(FREE, 4), (LINEAR, 1)])
+def test_serving_with_the_controller_ends_every_request_once_with_its_widths(tiny_llama, surface, widest):
+    ids = _ids(tiny_llama)
+    loop = ServingLoop(
+        tiny_llama.model, mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id,
+        stop_ids=eos_ids(tiny_llama.model, tiny_llama.tokenizer), policy=parse_policy("fixed:0.0"),
+        config=ServeConfig(max_batch=3, max_new_tokens=10), surface=surface,
+        pass_cost=lambda rows, width, kind, measured: surface.ms(rows, width) / 1000,
+    )
+    requests = [Request(i, tuple(p), 0.001 * i) for i, p in enumerate(ids * 2)]
+    events = list(loop.run(requests))
+    assert sorted(loop.served) == list(range(len(requests)))
+    assert all(s.status == "done" and s.token_ids and s.trace for s in loop.served.values())
+    decoding = [p.width for s in loop.served.values() for p in s.trace if p.kind == "decode"]
+    assert max(decoding) == widest and min(decoding) >= 1
+    assert all(e.why for e in events if e.width)
+
+
+def test_affordable_rate_reads_batched_ar_off_the_surface():
+    assert affordable_rate(LINEAR, 8, 50) == pytest.approx(8 / 81.0 * 1000 / 50)
