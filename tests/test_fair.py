@@ -426,3 +426,35 @@ def test_messages_name_no_host_facts(tiny_qwen, tmp_path):
         with pytest.raises(gr.Error, match="tau must be a number from 0 to 1"):
             handlers.set_tau(bad, session, request=API)
     assert session.tau.get() == 0.9
+
+
+def test_a_live_request_leaves_the_batch_at_the_budget(tiny_qwen, tmp_path, monkeypatch):
+    from mars_demo.engine.live import SharedBatches
+    from mars_demo.engine.serving import ServeConfig
+    from mars_demo.ui.live import LIVE_OUTPUTS, LiveHandlers, LiveState
+
+    monkeypatch.setattr("mars_demo.ui.live.time", Clock())  # every reading a second later: over 3 s at once
+    demo = handlers_for(tiny_qwen, tmp_path, limits=Limits(run_seconds=3))
+    batches = SharedBatches(ServeConfig(max_batch=2, max_new_tokens=400), max_queue=1, idle=5.0, pace=0.02)
+    live = LiveHandlers(demo, batches, chart_every=0.0, poll=0.05)
+    state = LiveState()
+    with pytest.warns(UserWarning, match="This request reached this server.*time limit of 3 s"):
+        views = [named(LIVE_OUTPUTS, v) for v in live.send(PROMPT, BUNDLED, state) if is_view(v)]
+    assert "Stopped" in views[-1]["live_status"] and state.request.ended
+    assert batches.batches()[0].in_flight() == 0
+
+
+def test_a_cancelled_serving_run_ends_within_one_pass_and_frees_the_slot(tiny_qwen, tmp_path, passes):
+    from mars_demo.ui.serving import ServingHandlers, ServingState
+
+    serving = ServingHandlers(handlers_for(tiny_qwen, tmp_path), chart_every=60.0)
+    run = serving.run("poisson", 20.0, ["fixed:1.0", "fixed:0.9"], "", 12, 60, 2, 64, BUNDLED, ServingState())
+    next(run), next(run)  # warmed up, serving
+    for _ in range(5):
+        before = passes.count
+        next(run)
+        assert passes.count - before <= 2  # one loop iteration: a newcomer's prefill and the batch's pass
+    count = passes.count
+    assert serving.demo.slot.running() == 1
+    run.close()
+    assert passes.count == count and serving.demo.slot.running() == 0 and serving.demo.models.in_use() == {}
