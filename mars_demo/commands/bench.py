@@ -12,7 +12,7 @@ import torch
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, max_fed_text
 from ..engine.compiled import enable_compiled_decoding
 from ..engine.loading import default_precision, load_model
-from ..research.bench import METHODS, BenchConfig, run_benchmark
+from ..research.bench import KNOWN, METHODS, BenchConfig, run_benchmark
 from ..research.data import read_prompts
 
 HELP = "benchmark HF generate, our AR, MARS, batch decoding and prompt lookup: speed and quality"
@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of: " + ", ".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated subset of: " + ", ".join(KNOWN) + " (llama_cpp*: requirements-llama.txt)")
     parser.add_argument(
         "--out", type=Path, default=Path("report.json"), help="report path; the HTML report goes beside it"
     )
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="CUDA: MARS and AR passes on a static KV cache through torch.compile (CUDA graphs); "
                         "run once with and once without to compare")
+    parser.add_argument("--fp32-reference", action="store_true",
+                        help="also decode our AR on the fp32 path and add each batch-1 run's agreement with it "
+                        "(agreement_fp32): llama.cpp's quantised weights beside ours")
     add_max_fed_argument(parser)
     add_precision_argument(parser)
 
@@ -63,6 +67,7 @@ def parse_config(args: argparse.Namespace) -> BenchConfig:
         return BenchConfig(
             taus=taus, batch_sizes=batch_sizes, block_size=args.block_size,
             max_new_tokens=args.max_new_tokens, methods=tuple(_csv(args.methods)), max_fed=args.max_fed,
+            fp32_reference=getattr(args, "fp32_reference", False),
         )
     except ValueError as err:
         raise UserError(str(err)) from None
@@ -83,6 +88,8 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
             parts += [flag, str(value)]
     if getattr(args, "compile", False):
         parts.append("--compile")
+    if config.fp32_reference:
+        parts.append("--fp32-reference")
     return shlex.join(parts)
 
 

@@ -30,7 +30,7 @@ import platform
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,7 @@ from ..engine.loading import LoadedModel
 from ..engine.metrics import agreement, exact_match, per_forward, per_second, speedup
 from ..engine.prompts import pad_id, prompt_ids
 from ..engine.width import known_surface, surface_for
+from . import llama_cpp
 from .evaluation import Scorer, pooled_nll
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 SINGLE = ("hf_generate", "ar", "mars", "mars_exact", "prompt_lookup")
 BATCHED = ("ar_batch", "ar_batch_ours", "mars_batch", "mars_batch_token", "exact_batch")
 METHODS = SINGLE + BATCHED
+KNOWN = METHODS + llama_cpp.METHODS  # llama.cpp's run only when named (an optional install)
 AR_METHODS = ("hf_generate", "ar", "ar_batch", "ar_batch_ours")
 TAU_METHODS = ("mars", "mars_batch", "mars_batch_token")
 SCHEME = {"ar_batch_ours": "token", "mars_batch": "block", "mars_batch_token": "token", "exact_batch": "token"}
@@ -78,6 +80,7 @@ class BenchConfig:
     warmup_tokens: int = 16
     profile_tau: float = 0.9
     max_fed: int | str | None = "auto"  # single-sequence MARS only; see DecodeConfig
+    fp32_reference: bool = False  # add agreement_fp32: each batch-1 run against our AR on the fp32 path
 
     def __post_init__(self) -> None:
         if not self.taus:
@@ -86,9 +89,9 @@ class BenchConfig:
             check_tau(tau)
         if not self.batch_sizes or any(int(b) != b or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be integers of at least 1, got {self.batch_sizes}")
-        unknown = set(self.methods) - set(METHODS)
+        unknown = set(self.methods) - set(KNOWN)
         if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; known: {', '.join(METHODS)}")
+            raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; known: {', '.join(KNOWN)}")
         # the same checks a decode with these settings gets
         DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens, max_fed=self.max_fed)
 
@@ -123,12 +126,12 @@ def plan(config: BenchConfig) -> list[Job]:
 
     def jobs_for(methods: Sequence[str], batch_size: int) -> list[Job]:
         wanted = [m for m in methods if m in config.methods and m != "hf_generate"]
-        fixed = lambda m: (None,) if m == "prompt_lookup" else (1.0,)
+        fixed = lambda m: (None,) if m == "prompt_lookup" or m in llama_cpp.METHODS else (1.0,)
         return [Job(m, t, batch_size) for m in wanted for t in (taus if m in TAU_METHODS else fixed(m))]
 
     jobs = [Job("hf_generate", 1.0, 1)]
     if 1 in config.batch_sizes:
-        jobs += jobs_for(SINGLE, 1)
+        jobs += jobs_for(SINGLE + llama_cpp.METHODS, 1)
     for b in sorted(b for b in set(config.batch_sizes) if b > 1):
         jobs += jobs_for(BATCHED, b)
     return jobs
@@ -232,6 +235,8 @@ def run_job(
 ) -> Outcome:
     if job.method in ("hf_generate", "ar_batch"):
         return run_hf(lm, prompts, job.batch_size, max_new, tick)
+    if job.method in llama_cpp.METHODS:
+        return llama_cpp.run(lm, job.method, prompts, max_new, tick)
     if job.method == "prompt_lookup":
         return run_hf(lm, prompts, 1, max_new, tick, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
     mode = "ar" if job.method in AR_METHODS else "exact" if job.method in ("mars_exact", "exact_batch") else "mars"
@@ -416,6 +421,9 @@ def run_benchmark(
     if not prompts:
         raise ValueError("no prompts to benchmark")
     ids = [prompt_ids(lm.tokenizer, p) for p in prompts]
+    if any(m in llama_cpp.METHODS for m in config.methods) and (why := llama_cpp.missing(lm)):
+        logger.warning("%s", why)  # one line; the other methods run
+        config = replace(config, methods=tuple(m for m in config.methods if m not in llama_cpp.METHODS))
     jobs = plan(config)
     runs, outcomes = [], {}
     scorer = Scorer(lm.model, ids)
@@ -434,6 +442,9 @@ def run_benchmark(
                 on_run(runs[-1])
     bar.close()
     add_speedups(runs)
+    if config.fp32_reference:
+        by_run = {(job.method, job.tau): o.outputs for job, o in outcomes.items() if job.batch_size == 1}
+        llama_cpp.fp32_agreement(lm, ids, config.max_new_tokens, runs, by_run)
     block = config.block_size or lm.meta.block_size
     profile = profile_passes(
         lm, ids, config.profile_tau, block, config.max_new_tokens, max_fed=config.max_fed, progress=progress

@@ -27,6 +27,7 @@ COLUMNS = (  # (key, header, format)
     ("speedup", "speedup", "{:.2f}x"),
     ("delta_nll_self", "dNLL self", "{:+.3f}"),
     ("agreement", "agree", "{:.3f}"),
+    ("agreement_fp32", "agree fp32", "{:.3f}"),  # bench --fp32-reference only
 )
 
 
