@@ -266,11 +266,15 @@ def _serving_tab() -> dict:
                                       scale=2, elem_id="serve-extra")
         c["serve_max_batch"] = _serving_slider("max_batch", "Max batch", 1)
         c["serve_max_new"] = _serving_slider("max_new_tokens", "Max new tokens", 8)
+        c["serve_from_machine"] = gr.Checkbox(
+            value=True, label="Rate from this machine", elem_id="serve-from-machine",
+            info="rate and requests from the cost surface: 1.5x what batched AR sustains here",
+        )
     with gr.Row():
         c["serve_run"] = gr.Button("Run", variant="primary", elem_id="serve-run")
         c["serve_stop"] = gr.Button("Stop", variant="stop", elem_id="serve-stop")
     c["serve_status"] = gr.HTML("", min_height=40, js_on_load=None, elem_id="serve-status")
-    for row in (("serve_tau", "serve_queue"), ("serve_throughput", "serve_latency")):
+    for row in (("serve_tau", "serve_queue"), ("serve_throughput", "serve_latency"), ("serve_width", "serve_surface")):
         with gr.Row():
             for name in row:
                 c[name] = gr.Plot(
@@ -283,8 +287,9 @@ def _serving_tab() -> dict:
 def _wire_serving(serving: ServingHandlers, c: dict, concurrency: int, validator=None) -> None:
     """Run shares the race's decoding slot (so a run blocks races for at most its time limit); Stop never queues."""
     names = ["serve_arrivals", "serve_rate", "serve_policies", "serve_extra", "serve_requests", "serve_time_limit",
-             "serve_max_batch", "serve_max_new", "model", "serve_state", "precision"]
-    outputs = ["serve_status", "serve_tau", "serve_queue", "serve_throughput", "serve_latency", "serve_totals"]
+             "serve_max_batch", "serve_max_new", "model", "serve_state", "precision", "serve_from_machine"]
+    outputs = ["serve_status", "serve_tau", "serve_queue", "serve_throughput", "serve_latency", "serve_width",
+               "serve_surface", "serve_totals"]
     c["serve_run"].click(serving.run, [c[n] for n in names], [c[n] for n in outputs], concurrency_limit=concurrency,
                          concurrency_id="decode", show_progress_on=[c["serve_status"]], validator=validator)
     c["serve_stop"].click(serving.stop, [c["serve_state"]], None, concurrency_limit=None, show_progress="hidden")

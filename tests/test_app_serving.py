@@ -8,6 +8,7 @@ import gradio as gr
 import pytest
 
 from mars_demo.engine.loading import BUNDLED
+from mars_demo.engine.width import Surface
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelPolicy, model_choices
 from mars_demo.ui.serving import BOUNDS, ServingHandlers, ServingState, parse_settings
@@ -27,29 +28,46 @@ def serving(tiny_qwen, tmp_path):
     return ServingHandlers(demo, chart_every=0.0)
 
 
-def start(serving: ServingHandlers, state: ServingState, spec: str = BUNDLED, **changes):
+def start(serving: ServingHandlers, state: ServingState, spec: str = BUNDLED, from_machine=False, **changes):
     s = {**GOOD, **changes}
     return serving.run(s["arrivals"], s["rate"], s["policies"], s["extra"], s["requests"], s["time_limit"],
-                       s["max_batch"], s["max_new_tokens"], spec, state)
+                       s["max_batch"], s["max_new_tokens"], spec, state, None, from_machine)
 
 
 def test_run_draws_live_charts_and_ends_with_totals(serving):
     outputs = list(start(serving, ServingState()))
     assert len(outputs) > 3  # warm-up, live redraws, final view
-    status, tau, queue, throughput, latency, totals = outputs[-1]
+    status, tau, queue, throughput, latency, width, surface, totals = outputs[-1]
     assert "Finished: 3 of 3 policies" in status
     assert [row[0] for row in totals] == ["fixed:1", "fixed:0.9", "adaptive"]
     assert all(row[1] == 6 for row in totals)  # every request done under every policy
     assert totals[0][-1] == 1.0  # fixed:1.0 agrees with itself
-    for fig in (tau, queue, throughput, latency):
+    for fig in (tau, queue, throughput, latency, width):
         assert [trace.name for trace in fig.data] == ["fixed:1", "fixed:0.9", "adaptive"]
-    live = [o for o in outputs[1:-1] if o[5]]
-    assert live and len(live[0][5]) == 1  # the first policy's partial totals, while it runs
+    assert all(w == 1 for w in width.data[0].y if w)  # fixed:1.0 feeds one token a row: batched AR
+    assert surface is gr.skip() or surface == gr.skip()  # a model without a measured path has no surface to show
+    live = [o for o in outputs[1:-1] if o[-1]]
+    assert live and len(live[0][-1]) == 1  # the first policy's partial totals, while it runs
+
+
+def test_rate_from_the_machine_loads_it_past_batched_ar_and_shows_the_surface(serving, monkeypatch):
+    import mars_demo.ui.serving as tab
+
+    surface = Surface.from_cost(lambda r, w: 2.0 + r * w, rows=(1, 2, 4), widths=(1, 2, 4, 8), name="t",
+                                simulated=False)
+    monkeypatch.setattr(tab, "surface_for", lambda lm: surface)
+    outputs = list(start(serving, ServingState(), from_machine=True, policies=["fixed:1.0"], max_batch=2))
+    status, *_, heatmap, totals = outputs[-1]
+    sustained = 2 / surface.ms(2, 1) * 1000 / GOOD["max_new_tokens"]  # requests/s of batched AR at 2 rows
+    assert f"Rate {round(1.5 * sustained, 2):g} requests/s" in unescape(status)
+    assert totals[0][1] == BOUNDS["requests"][1]  # enough requests to keep it busy, within the tab's bound
+    assert "measured surface" in heatmap.layout.title.text and heatmap.data[0].z[0][0] == pytest.approx(3.0)
 
 
 def test_stop_ends_the_run_between_passes_and_keeps_the_totals(serving):
     state = ServingState()
     run = start(serving, state, requests=30, rate=2.0)
+    next(run)  # reading the cost surface
     next(run)  # warming up
     next(run)  # first live view
     serving.stop(state)

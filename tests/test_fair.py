@@ -377,7 +377,7 @@ def test_the_serving_tab_through_gradio_client(tiny_qwen, tmp_path, monkeypatch)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         status, *_, totals = client.predict("poisson", 20.0, ["fixed:1.0", "fixed:0.9"], "", 3, 30, 2, 8, BUNDLED,
-                                            "auto", api_name="/run_1")
+                                            "auto", False, api_name="/run_1")
         assert "Finished: 2 of 2 policies" in status and [row[0] for row in totals["data"]] == ["fixed:1", "fixed:0.9"]
         assert demo.handlers.slot.running() == 0
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mars_demo.engine.batching.token import TokenBatch
 from mars_demo.engine.decoding import LiveTau, decode_passes, eos_ids
 from mars_demo.engine.prompts import prompt_ids
 from mars_demo.engine.serving import (
@@ -21,6 +22,7 @@ from mars_demo.engine.serving import (
     parse_policy,
     split_policies,
 )
+from mars_demo.engine.width import WidthController
 
 from conftest import PROMPTS
 
@@ -68,6 +70,31 @@ def alone(lm, prompt, taus, *, mode="mars", max_new=NEW) -> list[int]:
         verifying=mode != "mars",
     )
     return [t for p in passes for t in p.tokens]
+
+
+class Replayed(WidthController):
+    """Hands out the widths a request was given in a batch, pass after pass."""
+
+    def __init__(self, widths, most=4):
+        super().__init__(None, most)
+        self.widths = iter(widths)
+
+    def choose(self, rows, caps, tau, fed=None):
+        return next(self.widths)
+
+
+def alone_at(lm, prompt, trace, *, max_new=NEW, mode="mars") -> list[int]:
+    """The request decoded as the only row of a batch, at the tau and width of each pass it had in the batch."""
+    batch = TokenBatch(
+        lm.model, [list(prompt)], block_size=4, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
+        max_new_tokens=max_new, stop_ids=eos_ids(lm.model, lm.tokenizer), verifying=mode != "mars",
+        controller=Replayed([p.width for p in trace]),
+    )
+    out = []
+    for p in trace:
+        steps, _ = batch.step(p.tau)
+        out += steps[0].token_ids
+    return out
 
 
 def replay(loop, reqs):

@@ -220,3 +220,21 @@ def test_serving_with_the_controller_ends_every_request_once_with_its_widths(tin
 
 def test_affordable_rate_reads_batched_ar_off_the_surface():
     assert affordable_rate(LINEAR, 8, 50) == pytest.approx(8 / 81.0 * 1000 / 50)
+
+
+def test_rows_that_join_a_priced_batch_decode_as_alone_at_their_widths(tiny_llama):
+    from test_serving import alone_at
+
+    ids = _ids(tiny_llama)
+    mixed = Surface.from_cost(lambda r, w: 10.0 + 2.0 * r * w, rows=ROWS, widths=WIDTHS, name="mixed")
+    loop = ServingLoop(
+        tiny_llama.model, mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id,
+        stop_ids=eos_ids(tiny_llama.model, tiny_llama.tokenizer), policy=parse_policy("fixed:0.15"),
+        config=ServeConfig(max_batch=3, max_new_tokens=12), surface=mixed,
+        pass_cost=lambda rows, width, kind, measured: mixed.ms(rows, width) / 1000,
+    )
+    list(loop.run([Request(i, tuple(p), 0.002 * i) for i, p in enumerate(ids * 2)]))
+    widths = {p.width for s in loop.served.values() for p in s.trace}
+    assert len(widths) > 1  # the controller changed widths along the way
+    for s in loop.served.values():
+        assert s.token_ids == alone_at(tiny_llama, s.request.prompt, s.trace, max_new=12)

@@ -88,7 +88,7 @@ def command_line(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..research.bench import machine
     from ..research.serve_report import format_totals, write_report  # plotly: only this command needs it
-    from ..ui.charts import serving_figures
+    from ..ui.charts import serving_figures, surface_heatmap
 
     config = parse_config(args)  # every value checked before the model loads
     if not args.prompts.is_file():
@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             for r in (1, 2, 4, 8) for w in (1, 2, 3, 4, 5)
         ] if measured is not None else None
     figures = serving_figures({p["summary"]["policy"]: p["series"] for p in report["policies"]})
+    figures += [surface_heatmap(surface)] if surface is not None else []
     json_path, html_path = write_report(report, args.out, figures)
     print(format_totals([p["summary"] for p in report["policies"]]))
     print(f"\nwrote {json_path} and {html_path}")

@@ -9,6 +9,9 @@ iteration of the loop: newcomers are prefilled and join the running rows, the po
 from the live load (requests waiting, rows running), and one pass decodes every row. Each
 request then gets the passes it took part in: per pass the tokens, their confidences and the
 tau they were accepted at. ``SharedBatches`` keeps one SharedBatch per loaded model.
+Each pass's width comes from the width controller on the model's measured cost surface
+(width.py; measured once per machine, at the first live request), and the demand ladder
+lowers tau only where wider passes pay at the rows running (serving.py, "priced").
 
 Bounds: at most ``config.max_batch`` rows decode and ``max_queue`` requests wait; a request
 beyond that is refused at once with ``Busy``. ``config.max_new_tokens`` bounds every request.
@@ -36,6 +39,7 @@ from .decoding import eos_ids
 from .loading import LoadedModel
 from .prompts import pad_id
 from .serving import ENDINGS, Load, PassStep, Policy, Request, ServeConfig, ServingLoop, parse_policy
+from .width import Surface, surface_for
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +143,14 @@ class SharedBatch:
     def __init__(
         self, model, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
         policy: Policy | None = None, max_queue: int = 4, idle: float = 10.0, pace: float = 0.0, on_retire=None,
+        surface: Surface | None = None,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max queue must be at least 0, got {max_queue}")
         check_pace(pace)
         self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
         self.config, self.policy = config, policy or parse_policy(LIVE_POLICY)
+        self.surface = surface  # what the width controller prices passes on (width.py)
         self.max_queue, self.idle, self._on_retire = max_queue, idle, on_retire
         # seconds from one pass's start to the next at least (0: as fast as it decodes): on a fast CPU a
         # 96-token answer streams in half a second; a pace lets visitors watch it stream
@@ -166,7 +172,7 @@ class SharedBatch:
     @classmethod
     def of(cls, lm: LoadedModel, config: ServeConfig, **kwargs) -> SharedBatch:
         return cls(lm.model, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer),
-                   stop_ids=eos_ids(lm.model, lm.tokenizer), config=config, **kwargs)
+                   stop_ids=eos_ids(lm.model, lm.tokenizer), config=config, surface=surface_for(lm), **kwargs)
 
     # -- callers ----------------------------------------------------------------------------
     @property
@@ -264,7 +270,7 @@ class SharedBatch:
 
     def _new_loop(self) -> ServingLoop:
         self._loop = ServingLoop(self.model, mask_id=self.mask_id, pad_id=self.pad_id, stop_ids=self.stop_ids,
-                                 config=self.config, policy=self._choose)
+                                 config=self.config, policy=self._choose, surface=self.surface)
         return self._loop
 
     def _choose(self, load: Load) -> float:

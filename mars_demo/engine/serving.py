@@ -11,8 +11,9 @@ rows, recent latency, the oldest request's wait) and sets the tau of the next pa
 paper's serving claim, a lower tau when requests pile up, with no model swap. Policies:
   fixed:T           tau = T always (fixed:1.0 is batched greedy AR: no masks are fed).
   ladder:Q=T,...    queue-depth ladder: the tau of the highest step Q <= requests waiting.
-  demand:N=T,...    the same ladder on the requests in the system (running + waiting): the app's
-                    live shared batch (engine/live.py), where a few users share a few rows.
+  demand:N=T,...    the same ladder on the requests in the system (running + waiting), priced as
+                    adaptive is: the app's live shared batch (engine/live.py), where a few users
+                    share a few rows.
   latency:S         latency target: one level down (LEVELS) while the recent latency or the
                     oldest wait exceeds S seconds, one level up once both are below S / 2.
   adaptive          the default: ``DEFAULT_LADDER`` (tau 1.0 while nobody waits, then 0.95 from
@@ -158,7 +159,8 @@ def parse_policy(text: str) -> Policy:
             steps = [part.split("=") for part in arg.split(",")] if arg else DEFAULT_LADDER
             return Ladder([(int(q), float(t)) for q, t in steps])
         if name == "demand" and arg:
-            return Ladder([(int(q), float(t)) for q, t in (part.split("=") for part in arg.split(","))], demand=True)
+            steps = [(int(q), float(t)) for q, t in (part.split("=") for part in arg.split(","))]
+            return Ladder(steps, demand=True, priced=True)
         if name == "latency" and arg:
             return LatencyTarget(float(arg))
     except ValueError as err:

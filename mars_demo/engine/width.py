@@ -43,8 +43,8 @@ from .machine import cache_dir
 if TYPE_CHECKING:
     from .loading import LoadedModel
 
-GRID_ROWS = (1, 2, 3, 4, 6, 8)
-GRID_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 16, 32, 64)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
+GRID_ROWS = (1, 2, 4, 8)
+GRID_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 16, 32)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
 SURFACE_FILE = "cost-surfaces.json"
 SURFACE_VERSION = 1
 SURFACE_CONTEXT = 128  # cached tokens per row before a measured pass

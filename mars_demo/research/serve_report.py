@@ -28,6 +28,7 @@ TOTALS = (  # (key, header, format)
     ("ttft_p95", "TTFT p95 s", "{:.2f}"),
     ("queue_max", "queue max", "{}"),
     ("tau_mean", "mean tau", "{:.3f}"),
+    ("width_mean", "mean width", "{:.2f}"),
     ("tokens_per_forward", "tok/fwd", "{:.2f}"),
     ("delta_nll_base", "dNLL (base)", "{:+.4f}"),
     ("agreement", "agree", "{:.3f}"),
@@ -66,6 +67,12 @@ def to_html(report: dict, figures: list[go.Figure]) -> str:
     totals = _html_table(totals_rows([p["summary"] for p in report["policies"]]), [h for _, h, _ in TOTALS])
     machine = _html_table([[k, str(v)] for k, v in report.get("machine", {}).items()], ["", ""])
     costs = f"<h2>Cost per pass (ms)</h2>{_costs_table(report['pass_costs'])}" if report.get("pass_costs") else ""
+    surface = report.get("surface")
+    if surface:  # what the width controller priced passes on; a cost model's is labelled simulated
+        kind = "simulated (the clock's cost model)" if surface.get("simulated") else "measured on this machine"
+        cells = [{"rows": r, "width": w, "ms": ms} for r, line in zip(surface["rows"], surface["ms"])
+                 for w, ms in zip(surface["widths"], line)]
+        costs += f"<h2>Cost surface the widths were chosen on: {html.escape(kind)}</h2>{_costs_table(cells)}"
     style = "body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;margin:1em 0}" \
             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}code{background:#f4f4f4;padding:2px 4px}"
     return (

@@ -21,6 +21,7 @@ from ..engine.decoding import StepEvent
 from ..engine.metrics import Rates, common_prefix, speedup
 
 if TYPE_CHECKING:
+    from ..engine.width import Surface
     from .sweep import FrontierPoint
 
 MARS_COLOR = "#4f46e5"
@@ -228,6 +229,27 @@ def tau_over_time(all_series: dict[str, dict]) -> go.Figure:
     return fig
 
 
+def width_over_time(all_series: dict[str, dict]) -> go.Figure:
+    """Columns each decoding pass fed per row: the width controller's choice (1: plain AR passes)."""
+    curves = {n: (s["clock"], s.get("width", [])) for n, s in all_series.items()}
+    return _serving_lines(curves, "Width per pass (tokens fed per row)", "width", "hv")
+
+
+def surface_heatmap(surface: Surface) -> go.Figure:
+    """The cost surface: ms of a pass by rows and tokens fed per row, labelled simulated where it is a cost model."""
+    widths = [w for w in surface.widths if w <= 16]
+    ms = [[surface.ms(r, w) for w in widths] for r in surface.rows]
+    fig = go.Figure(go.Heatmap(
+        x=[str(w) for w in widths], y=[str(r) for r in surface.rows], z=ms, colorscale="Viridis",
+        text=[[f"{x:.1f}" for x in line] for line in ms], texttemplate="%{text}",
+        hovertemplate="%{y} rows x %{x} tokens: %{z:.2f} ms<extra></extra>", colorbar={"title": "ms"},
+    ))
+    kind = "simulated " if surface.simulated else "measured "
+    fig.update_layout(title=f"Cost of a pass ({kind}surface, ms)", xaxis_title="tokens fed per row",
+                      yaxis_title="rows", **SERVING_LAYOUT)
+    return fig
+
+
 def queue_over_time(all_series: dict[str, dict]) -> go.Figure:
     curves = {n: (s["clock"], s["queue"]) for n, s in all_series.items()}
     return _serving_lines(curves, "Requests waiting", "queue", "hv")
@@ -260,6 +282,6 @@ def latency_over_time(all_series: dict[str, dict]) -> go.Figure:
 
 
 def serving_figures(all_series: dict[str, dict]) -> list[go.Figure]:
-    """tau, queue, throughput and latency over time: the four charts of the report and of the app."""
+    """tau, queue, throughput, latency and width over time: the charts of the report and of the app."""
     return [tau_over_time(all_series), queue_over_time(all_series), throughput_over_time(all_series),
-            latency_over_time(all_series)]
+            latency_over_time(all_series), width_over_time(all_series)]

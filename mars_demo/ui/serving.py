@@ -19,7 +19,8 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from html import escape
 
 import gradio as gr
@@ -28,6 +29,7 @@ from ..engine.memory import trim_heap
 from ..engine.prompts import prompt_ids
 from ..engine.replay import (
     ARRIVALS,
+    LIMITS,
     REFERENCE,
     SimConfig,
     add_agreement,
@@ -38,7 +40,8 @@ from ..engine.replay import (
     warm_up,
 )
 from ..engine.serving import parse_policy, split_policies
-from .charts import serving_figures
+from ..engine.width import affordable_rate, surface_for
+from .charts import serving_figures, surface_heatmap
 from .examples import EXAMPLE_PROMPTS
 from .messages import error, sentence
 
@@ -56,7 +59,8 @@ TOTALS = (  # (key, header, digits): the tab's totals table
     ("policy", "policy", None), ("done", "done", None), ("tokens_per_second", "tokens / s", 1),
     ("requests_per_second", "requests / s", 3), ("latency_p50", "latency p50 (s)", 2),
     ("latency_p95", "latency p95 (s)", 2), ("latency_p99", "latency p99 (s)", 2), ("ttft_p50", "TTFT p50 (s)", 2),
-    ("queue_max", "queue max", None), ("tau_mean", "mean tau", 3), ("tokens_per_forward", "tokens / forward", 2),
+    ("queue_max", "queue max", None), ("tau_mean", "mean tau", 3), ("width_mean", "mean width", 2),
+    ("tokens_per_forward", "tokens / forward", 2),
     ("agreement", "agreement with fixed:1", 3),
 )
 TOTAL_HEADERS = [header for _, header, _ in TOTALS]
@@ -65,8 +69,14 @@ SERVING_INTRO = """Requests arrive at the chosen **rate** (Poisson, or bursts of
 is prefilled and joins the running batch between two passes, a finished one leaves at once. Each **policy**
 sets tau before every pass from the load; **adaptive** lowers tau as requests wait (1.0 while nobody waits,
 0.95 from 1 waiting, 0.9 from 4, 0.8 from 8, 0.7 from 16). Every policy serves the same seeded requests
-on a clock driven by the measured pass times. Agreement compares each output with fixed:1.0's
-(tau 1.0 is the AR output). The run holds the decoding slot, so races wait, for at most its time limit."""
+on a clock driven by the measured pass times. Each pass's **width** (tokens fed per row) is chosen from this
+machine's measured **cost surface** and the rows' acceptance: plain AR passes where no mask pays, so adaptive
+lowers tau only where wider passes pay. With **rate from this machine** on, the rate is set to 1.5x what batched
+AR sustains here (read off the surface), so a queue builds and the policies part ways. Agreement compares
+each output with fixed:1.0's (tau 1.0 is the AR output). The run holds the decoding slot, so races wait,
+for at most its time limit."""
+OVERLOAD = 1.5  # "rate from this machine": arrivals at this multiple of what batched AR sustains
+RUN_SECONDS = 6.0  # ... and enough requests to keep batched AR busy about this long
 
 
 @dataclass
@@ -129,9 +139,10 @@ class ServingHandlers:
 
     def run(
         self, arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens, spec,
-        state: ServingState, precision: str | None = None, request: gr.Request = None,
+        state: ServingState, precision: str | None = None, from_machine: bool = False, request: gr.Request = None,
     ) -> Iterator[tuple]:
-        """Replay the seeded requests under each policy; yields (status, tau, queue, throughput, latency, totals)."""
+        """Replay the seeded requests under each policy; yields (status, tau, queue, throughput, latency, width,
+        surface, totals). ``from_machine``: rate and request count from the measured cost surface."""
         try:
             config, limit = parse_settings(
                 arrivals, rate, policies, extra, requests, time_limit, max_batch, max_new_tokens
@@ -146,25 +157,33 @@ class ServingHandlers:
                 cancel = self.demo._slot(held, request)  # the decoding slot until this run's work has ended
                 lm = self.demo._hold(spec, held, request, path)
                 stop_at = time.monotonic() + min(limit, self.demo.limits.run_seconds)  # the host's budget caps it
-                yield from self._replays(lm, config, stop_at, state, cancel)
+                yield self._view("Reading this machine's cost surface (measured once per machine)…", {}, [])
+                surface = surface_for(lm)
+                note = ""
+                if from_machine and surface is not None:
+                    config, note = machine_load(config, surface)
+                yield from self._replays(lm, config, stop_at, state, cancel, surface, note)
         finally:
             state.running = False
             trim_heap()
 
-    def _replays(self, lm, config: SimConfig, stop_at: float, state: ServingState, cancel) -> Iterator[tuple]:
+    def _replays(self, lm, config: SimConfig, stop_at: float, state: ServingState, cancel, surface=None,
+                 note: str = "") -> Iterator[tuple]:
         requests = make_requests(config, [prompt_ids(lm.tokenizer, p) for p in EXAMPLE_PROMPTS])
-        yield self._view("Warming up…", {}, [])
+        heatmap = surface_heatmap(surface) if surface is not None else None
+        view = partial(self._view, heatmap=heatmap, note=note)
+        yield view("Warming up…", {}, [])
         warm_up(lm, config, requests)
         runs, summaries, shown = [], [], 0.0
         for number, spec in enumerate(config.policies, 1):
             run = None
             for run in live_replay(lm, config, spec, requests, deadline=max(stop_at - time.monotonic(), 0.0),
-                                   stop=lambda: state.stop.is_set() or cancel.is_set()):
+                                   stop=lambda: state.stop.is_set() or cancel.is_set(), surface=surface):
                 if time.monotonic() - shown >= self.chart_every:
                     shown = time.monotonic()
-                    yield self._progress(run, number, config, runs, summaries)
+                    yield view(*self._progress(run, number, config, runs, summaries))
                 else:
-                    yield (gr.skip(),) * 6  # nothing to draw: a cancelled run ends here, before its next pass
+                    yield (gr.skip(),) * 8  # nothing to draw: a cancelled run ends here, before its next pass
             if run is None:
                 break
             runs.append(run)
@@ -175,18 +194,35 @@ class ServingHandlers:
         stopped = state.stop.is_set() or time.monotonic() > stop_at
         note = "Stopped" if state.stop.is_set() else "Time limit reached" if stopped else "Finished"
         line = f"{note}: {len(runs)} of {len(config.policies)} policies served."
-        yield self._view(line, _all_series(runs), summaries)
+        yield view(line, _all_series(runs), summaries)
 
     def _progress(self, run, number: int, config: SimConfig, runs: list, summaries: list[dict]) -> tuple:
+        """(status text, series, totals) of the run so far."""
         ended = sum(s.ended for s in run.loop.served.values())
+        last = run.events[-1]
         text = (f"Policy {number} of {len(config.policies)} ({run.policy}): {ended} of {config.requests} requests "
-                f"ended, clock {run.loop.clock:.1f} s, tau now {run.events[-1].tau:g}.")
-        return self._view(text, _all_series([*runs, run]), [*summaries, summarise(run)])
+                f"ended, clock {run.loop.clock:.1f} s, tau now {last.tau:g}, width {last.width or '-'}.")
+        return text, _all_series([*runs, run]), [*summaries, summarise(run)]
 
-    def _view(self, text: str, all_series: dict[str, dict], summaries: list[dict]) -> tuple:
-        figures = serving_figures(all_series) if all_series else [gr.skip()] * 4
-        status = f'<div class="serving-status">{escape(text)}</div>'
-        return (status, *figures, totals_rows(summaries))
+    def _view(self, text: str, all_series: dict[str, dict], summaries: list[dict], heatmap=None, note: str = ""
+              ) -> tuple:
+        """The tab's outputs: status, five charts, the cost surface's heat map, totals."""
+        figures = serving_figures(all_series) if all_series else [gr.skip()] * 5
+        status = f'<div class="serving-status">{escape(text)}{"<br>" + escape(note) if note else ""}</div>'
+        return (status, *figures, gr.skip() if heatmap is None else heatmap, totals_rows(summaries))
+
+
+def machine_load(config: SimConfig, surface) -> tuple[SimConfig, str]:
+    """The config with its rate at OVERLOAD x what batched AR sustains on ``surface`` and requests to last
+    about RUN_SECONDS of batched AR (within the tab's bounds); and one line that says so."""
+    sustained = affordable_rate(surface, config.max_batch, config.max_new_tokens)
+    low, high, _ = BOUNDS["requests"]
+    requests = int(min(max(round(sustained * RUN_SECONDS), low), high))
+    rate = round(min(OVERLOAD * sustained, LIMITS["rate"][1]), 2)
+    line = (f"Rate {rate:g} requests/s, {requests} requests: {OVERLOAD:g}x the {sustained:.1f} requests/s that "
+            f"batched AR sustains on this machine ({config.max_batch} rows, {config.max_new_tokens} tokens each, "
+            "read off the cost surface).")
+    return replace(config, rate=rate, requests=requests), line
 
 
 def totals_rows(summaries: list[dict]) -> list[list]:
