@@ -61,3 +61,29 @@ def test_merged_adapter_cache_equals_a_fresh_merge(bundled):
     with torch.no_grad():
         assert torch.allclose(cached.model(ids).logits, fresh(ids).logits, atol=1e-4)
     assert cached.meta == bundled.meta
+
+
+def test_the_one_pass_conversion_equals_transformers_gguf_loader(tmp_path):
+    """gguf_llama reads the GGUF once and ships config and tokenizer: the same tensors and token ids as
+    transformers' own loader, which parses the file three times."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mars_demo.engine import gguf_llama
+    from mars_demo.engine.loading import gguf_path
+
+    source = gguf_path()
+    gguf_llama.write(source, tmp_path / "ours")
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    mine, reference = ours.state_dict(), theirs.state_dict()
+    assert set(mine) == set(reference) and all(torch.equal(mine[k], reference[k]) for k in reference)
+    fields = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
+              "vocab_size", "bos_token_id", "eos_token_id", "max_position_embeddings")
+    assert {f: getattr(ours.config, f) for f in fields} == {f: getattr(theirs.config, f) for f in fields}
+    texts = ["<|im_start|>user\nWhat is 2+2? ünïcödé 🙂<|im_end|>\n", "def f(x):\n\treturn x  # tabs"]
+    shipped, parsed = AutoTokenizer.from_pretrained(tmp_path / "ours"), AutoTokenizer.from_pretrained(
+        source.parent, gguf_file=source.name)
+    assert [shipped(t).input_ids for t in texts] == [parsed(t).input_ids for t in texts]
+    assert shipped.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        parsed.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)

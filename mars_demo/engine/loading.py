@@ -44,7 +44,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from . import acceptance, progress
+from . import acceptance, gguf_llama, progress
 from .kernels import PRECISION_ENV, ComputePath, check_precision, prebuild, select
 from .machine import cache_dir
 
@@ -157,23 +157,19 @@ def install_bundled_package(target: Path | None = None, run: Callable | None = N
 
 
 def bundled_base_dir() -> Path:
-    """The bundled base model as a plain transformers directory, converted once from GGUF.
-
-    Dequantising the GGUF takes ~20 s; the converted fp32 safetensors load in well under one.
-    """
+    """The bundled base model as a plain transformers directory, converted once from GGUF (``gguf_llama``):
+    later loads read the fp32 safetensors, which is far quicker than dequantising again."""
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").is_file():
         return target
     source = gguf_path()
     logger.info("converting %s to %s", source.name, target)
     progress.report("converting the GGUF weights (first start only)")
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    # The dequantised weights are ordinary fp32 tensors; drop the GGUF marker so they can be saved.
-    del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    _save_atomically(model, tokenizer, target)
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    gguf_llama.write(source, staging)  # the file read once; the config and tokenizer are shipped
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)  # a half-written directory is never picked up
     return target
 
 
@@ -310,6 +306,7 @@ def _load_plain(spec: str, device: torch.device, dtype: torch.dtype, trust_remot
 
 def _merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
     """Fold a LoRA adapter into the weights: the result is the plain architecture, no extra parameters."""
+    progress.report("merging the adapter (the bundled one: first start only)")
     from peft import PeftModel
 
     with warnings.catch_warnings():  # peft 0.21 calls a transformers property deprecated in 5.x
@@ -374,7 +371,6 @@ def load_model(
 
     saved = MarsMeta.read(base) if Path(base).is_dir() else {}
     if adapter_dir is not None:
-        progress.report("merging the MARS adapter (first start only)" if merged_cache else "merging the adapter")
         model = _merge_adapter(model, adapter_dir)
         if merged_cache is not None:
             _save_atomically(model, tokenizer, merged_cache)
@@ -388,9 +384,7 @@ def load_model(
         compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir(), rows=rows)
         model.mars_compute = compute  # read by config.resolve_max_fed
         logger.info("compute path: %s", compute.summary())
-    if dev.type == "cpu":
-        # the greedy choice's kernel built (or read from the cache) now: on a fresh install its
-        # build (~0.4 s) otherwise lands on the first pass decoded, the MARS side of the first race
+    if dev.type == "cpu":  # the greedy kernel loaded now, not on the first pass decoded (the first race's)
         acceptance.greedy_kernel()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
