@@ -248,15 +248,22 @@ def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT, rows: int = 1
     return min(close, key=lambda p: speed(p)[1])
 
 
-def table_key(model: PreTrainedModel, widths: range) -> str:
-    """What a cost table holds for: this CPU and thread count, the libraries, the model, the kernels built."""
+def model_key(model: PreTrainedModel) -> str:
+    """The fp32 model on this CPU, thread count and libraries: what its calibration depends on."""
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     params = sum(p.numel() for p in model.parameters())
     return "|".join([
         cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"kernels={KERNELS_VERSION}",
-        f"transformers={transformers.__version__}", f"model={name}", f"params={params}", f"widths={widths.stop - 1}",
-        f"lean={lean.enabled(model)}", f"rowattn={rowattn.kernel() is not None}",
-        f"int8gemm={int8gemm.kernel() is not None}", f"decoder={decoder.kernel() is not None}",
+        f"transformers={transformers.__version__}", f"model={name}", f"params={params}",
+    ])
+
+
+def table_key(model: PreTrainedModel, widths: range) -> str:
+    """What a cost table holds for: ``model_key``, the widths, and the kernels built (it waits for their build)."""
+    return "|".join([
+        model_key(model), f"widths={widths.stop - 1}", f"lean={lean.enabled(model)}",
+        f"rowattn={rowattn.kernel() is not None}", f"int8gemm={int8gemm.kernel() is not None}",
+        f"decoder={decoder.kernel() is not None}",
     ])
 
 
@@ -397,12 +404,13 @@ def select(
     precision = check_precision(precision)
     widths = range(1, 2 * max(block_size, 2) + 1)
     paths = SURVEY_ORDER if precision == "auto" else (precision,)
+    # int8dyn's calibration is fp32 work: on a first start it runs while the kernels still build
+    ranges = smoothing_ranges(model, tokenizer, model_key(model), table_dir) if "int8dyn" in paths else {}
     progress.report("building the native kernels (first start only)")
     key = table_key(model, widths)
     table_path = table_dir / TABLE_FILE
     entry = _read_table(table_path).get(key, {})
     cached = all(p in entry for p in paths) and (precision == "auto" or "dnll" in entry[precision])
-    ranges = smoothing_ranges(model, tokenizer, key, table_dir) if "int8dyn" in paths else {}
     converted = None
     if not cached:
         candidates = _Candidates(model, token_ids(tokenizer, calibration_texts()), ranges)
