@@ -4,7 +4,7 @@
 
 Also prints how much of each delta's energy (squared Frobenius norm) the rank keeps. The
 result loads like any adapter folder (``--model runs/adapter-r32``); compare it with the
-source on held-out rows with ``validate`` before using it (BENCHMARKS.md, "Bundled adapter size").
+source on held-out rows with ``validate`` before using it (docs/bench/history.md, "Bundled adapter size").
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """int8dyn's decoder layers as one native call a pass (``csrc/decoder.cpp``).
 
 With the native int8 linear and the row attention, a one-token pass of the bundled model on a
-2-core EPYC spent more time between the kernels than in them: ~25 torch ops a layer (RMSNorm, the
-RoPE, the cache append, SiLU * up, the residuals, views and splits), 5-10 us of dispatch each, ~7 of
-~14 ms a pass. ``csrc/decoder.cpp`` runs all the layers of a pass in one call, the kernels and
-everything between them, so a pass's Python is the embedding, the RoPE tables, the final norm and
-the head.
+small CPU spent more time between the kernels than in them: some 25 torch ops a layer (RMSNorm, the
+RoPE, the cache append, SiLU * up, the residuals, views and splits), each paying its dispatch cost
+(docs/bench/history.md, "Native decoder layers"). ``csrc/decoder.cpp`` runs all the layers of a
+pass in one call, the kernels and everything between them, so a pass's Python is the embedding, the
+RoPE tables, the final norm and the head.
 
 It runs where every layer is int8dyn on the native kernels (fused q/k/v and gate/up linears, fp32
 norms), the attention is row-exact and takes the pass row by row, and the cache is a plain

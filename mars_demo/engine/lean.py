@@ -1,8 +1,9 @@
 """A lean forward for llama-family decoders on the CPU: the same layers, the same bits, fewer ops.
 
 On a small CPU a cached pass of the bundled 135M model is mostly not arithmetic. Each small op
-costs 5-10 us of dispatch whatever its size, and a transformers forward runs ~1,500 of them plus
-its module plumbing (hooks, output capture, keyword arguments: ~3.5 ms a pass on a 2-core EPYC).
+pays a fixed dispatch cost whatever its size, and a transformers forward runs well over a thousand
+of them plus its module plumbing (hooks, output capture, keyword arguments; BENCHMARKS.md and
+docs/bench/history.md, "Lean forward", have the figures).
 ``LeanForward`` runs the decoder layers as one loop over the model's own modules and weights:
 
 - RMSNorm as ``torch.rms_norm`` (one op, the same arithmetic) where the model is fp32;
@@ -167,7 +168,7 @@ def _append(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> tu
 class LeanLayer(DynamicLayer):
     """A DynamicLayer that holds the first ``end`` columns of a key and a value buffer: its ``keys`` and
     ``values`` are views made when read, so ``hold`` and ``crop`` move a number instead of slicing 2
-    tensors a layer (60 slices a pass of the bundled model, ~0.1 ms on a small CPU).
+    tensors a layer (60 slices a pass of the bundled model).
 
     A tensor assigned from outside (DynamicLayer's own update, a batch reorder) is held as it is, as
     DynamicLayer holds it; ``room`` copies it into new buffers at the next native pass.
@@ -426,8 +427,8 @@ class LeanForward:
 
         One sequence, no padding mask, a cache that holds exactly the tokens before this pass, and a
         row-exact attention that takes all of these rows row by row: that attention reads a missing mask
-        as exactly this rule, so building the 4-D mask (and the ranges the kernel would read from it,
-        ~170 us a pass) is skipped. Everything else gets transformers' mask.
+        as exactly this rule, so building the 4-D mask (and the ranges the kernel would read from it)
+        is skipped. Everything else gets transformers' mask.
         """
         if native:  # the native layers attend row by row however many rows there are
             return attention_mask is None and x.shape[0] == 1

@@ -1,7 +1,7 @@
 """Native kernels (``csrc/*.cpp``), compiled on first use with this machine's C++ compiler.
 
 A kernel's library is built once (g++, or the compiler named by ``CXX``; -O3, tuned to this CPU,
-OpenMP, no fast-math, int8_linear without fused multiply-adds; ~2 s) into the cache beside the
+OpenMP, no fast-math, int8_linear without fused multiply-adds) into the cache beside the
 converted weights, keyed by the source, the compiler, the CPU and its instruction sets, and loaded
 with ctypes. ``library`` returns None where there is no compiler or the build fails (a warning):
 every caller has a torch path that gives the same results (``int8_linear``: the same bits;

@@ -145,7 +145,7 @@ AttentionMaskInterface.register(ROW_EXACT_PREFILL, sdpa_mask)
 # m / m = 1), and it is coded with one fixed range for [-1, 1]: a row's integers, hence its output, depend
 # on nothing fed beside it. The native kernel (int8gemm.py) does it all in one call and keeps that promise;
 # fbgemm's fixed-range linear (without a compiler) gives the same bits at one row but not always in wider
-# calls (BENCHMARKS.md, "Native int8 linear").
+# calls (docs/bench/history.md, "Native int8 linear").
 DYN_WEIGHT_QMAX = 63  # 7-bit weights: AVX2's u8 x s8 pair sums cannot saturate int16 (2 * 255 * 63 < 32767)
 DYN_INPUT_SCALE, DYN_INPUT_ZERO = int8gemm.INPUT_STEP, 128  # uint8 codes of [-1, 1]
 SMOOTHABLE = ("llama", "qwen2")  # RMSNorm as weight * x, attention and MLP as in these models
@@ -222,7 +222,7 @@ class FusedSlice(nn.Module):
     def __init__(self, group: FusedLinears, start: int, stop: int, last: bool) -> None:
         super().__init__()
         # a tuple keeps the group out of this module's children (one owner); the GEMM's forward is
-        # called without nn.Module's call machinery (no hooks on it), ~4 us less a call
+        # called without nn.Module's call machinery (no hooks on it): a pass makes this call for every GEMM
         self.fused = (group, group.linear.forward)  # also how lean.py finds the one GEMM of the siblings
         self.start, self.stop, self.last = start, stop, last
         self.in_features, self.out_features = group.linear.in_features, stop - start
@@ -231,8 +231,8 @@ class FusedSlice(nn.Module):
         group, gemm = self.fused
         seen = group.last  # one read of one tuple: another thread's call cannot tear it
         y = seen[1] if seen[0] is x else gemm(x)
-        # object's own setattr: nn.Module's (a plain value checked against parameters, buffers and
-        # submodules) cost ~8 us, 150 times a pass
+        # object's own setattr: nn.Module's checks a plain value against its parameters, buffers and
+        # submodules, on every sibling of every layer of every pass
         object.__setattr__(group, "last", (None, None) if self.last else (x, y))
         return y[..., self.start : self.stop]
 
