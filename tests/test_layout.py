@@ -77,7 +77,7 @@ def test_every_room_exists_and_the_root_holds_no_loose_modules():
     assert loose == ["__init__.py", "__main__.py", "cli.py"], loose
 
 
-MAX_FUNCTION_LINES = 60  # README: functions about 60 lines at most (docstring and decorators included)
+MAX_FUNCTION_LINES = 60  # CONTRIBUTING: functions about 60 lines at most (docstring and decorators included)
 
 
 def test_functions_are_short():
@@ -94,7 +94,7 @@ def test_functions_are_short():
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="pip install -r requirements.txt (ruff)")
 def test_ruff_is_clean():
-    """The README's check: ruff's default rules at line length 120 (pyproject.toml)."""
+    """CONTRIBUTING's check: ruff's default rules at line length 120 (pyproject.toml)."""
     result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], capture_output=True, text=True,
                             timeout=120, check=False, cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stdout + result.stderr
