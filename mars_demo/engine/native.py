@@ -32,6 +32,10 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=c++17")
 # int8_linear: a * b + c stays two roundings, as torch's ops round it (g++ fuses them otherwise)
 OWN_FLAGS = {"int8_linear": ("-ffp-contract=off",), "decoder": ("-ffp-contract=off",)}
+# A kernel whose source a bigger library includes, built with the same flags, is taken from that library:
+# the same code, one build fewer on a first start (decoder.cpp includes int8_linear.cpp).
+INCLUDED_IN = {"int8_linear": "decoder"}
+assert all(OWN_FLAGS.get(name) == OWN_FLAGS.get(big) for name, big in INCLUDED_IN.items())
 TUNE = ("-march=native",)  # dropped where the compiler refuses it
 # OpenMP for the kernels' threads. The library asks for libgomp.so.1, and the dynamic linker hands it
 # the one torch has loaded (same soname): the kernels share torch's threads instead of competing
@@ -120,7 +124,7 @@ def function(name: str, switch: str, argtypes: list) -> ctypes._CFuncPtr | None:
     """The C function ``name`` of ``csrc/<name>.cpp`` (returning int), or None: ``switch`` set to "0" or no library."""
     if os.environ.get(switch, "1") == "0":
         return None
-    loaded = library(name)
+    loaded = library(INCLUDED_IN.get(name, name)) or library(name)
     if loaded is None:
         return None
     found = getattr(loaded, name)
