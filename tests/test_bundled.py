@@ -87,3 +87,14 @@ def test_the_one_pass_conversion_equals_transformers_gguf_loader(tmp_path):
     assert [shipped(t).input_ids for t in texts] == [parsed(t).input_ids for t in texts]
     assert shipped.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
         parsed.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_the_shipped_int8dyn_ranges_are_the_bundled_models_own(bundled, tiny_llama):
+    """A first start reads int8dyn's calibration instead of measuring it: it must be what measuring gives."""
+    from mars_demo.engine import kernels
+
+    shipped = kernels.shipped_ranges(bundled.model)
+    assert shipped is not None and kernels.shipped_ranges(tiny_llama.model) is None
+    fresh = kernels.activation_ranges(bundled.model, kernels.token_ids(bundled.tokenizer, kernels.smoothing_texts()))
+    assert set(shipped) == set(fresh)
+    assert all(torch.allclose(shipped[k], fresh[k], rtol=1e-4, atol=0) for k in fresh)  # float rounding apart

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -72,6 +72,7 @@ CALIBRATION_ROWS = 4
 # int8dyn's activation ranges (for smoothing) come from other held-out rows than the dNLL check's.
 SMOOTHING_ROWS = range(8, 16)
 TABLE_FILE = "compute-paths.json"
+SHIPPED_RANGES = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-mars" / "int8dyn-ranges.safetensors"
 CALIBRATION_TEXT = (
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
     "the members agreed to spend more on the library and the public parks, and less on new office "
@@ -368,13 +369,35 @@ def adopt(model: PreTrainedModel, converted: PreTrainedModel) -> None:
     lean.install(model)
 
 
+def shipped_ranges(model: PreTrainedModel) -> dict | None:
+    """The bundled model's int8dyn activation ranges as shipped (``SHIPPED_RANGES``), or None for any other model.
+
+    The ranges are maxima of the fp32 model's activations on the smoothing texts, the same on every CPU up
+    to float rounding, so a first start need not measure them. The file names the merged model it was
+    measured on (its cache folder carries the adapter's digest) and its parameter count.
+    """
+    name = Path(getattr(model.config, "_name_or_path", "") or "").name
+    try:
+        with safe_open(SHIPPED_RANGES, "pt") as shipped:
+            meta = shipped.metadata() or {}
+            if meta.get("model") != name or meta.get("params") != str(sum(p.numel() for p in model.parameters())):
+                return None
+            return {key: shipped.get_tensor(key) for key in shipped.keys()}
+    except (OSError, ValueError, SafetensorError):
+        return None
+
+
 def smoothing_ranges(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, key: str, where: Path) -> dict:
-    """int8dyn's activation ranges for ``model`` (fp32), measured once on the smoothing texts and cached."""
+    """int8dyn's activation ranges for ``model`` (fp32): shipped for the bundled model, else measured once on
+    the smoothing texts and cached."""
     target = where / "smoothing" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
     try:
         return load_file(target)
     except (OSError, ValueError, SafetensorError):
         pass
+    ranges = shipped_ranges(model)
+    if ranges is not None:
+        return ranges
     progress.report("calibrating int8dyn (activation ranges)")
     lean.uninstall(model)  # the ranges come from hooks on transformers' modules
     with flushing_subnormals():
