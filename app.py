@@ -43,6 +43,7 @@ import gradio as gr
 import torch
 
 from mars_demo.engine.config import METRICS, RANGES, DecodeConfig
+from mars_demo.engine.kernels import prebuild
 from mars_demo.engine.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import (
@@ -444,6 +445,8 @@ def main() -> None:
     if threads is not None:
         torch.set_num_threads(threads)
         logger.info("decoding on %d torch threads (MARS_DEMO_THREADS; docs/hosting.md)", threads)
+    if not torch.cuda.is_available():
+        prebuild()  # a first start's CPU kernels build while the server starts and the first page loads
     demo.launch(**launch_options())
 
 
