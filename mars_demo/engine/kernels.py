@@ -382,7 +382,8 @@ def shipped_ranges(model: PreTrainedModel) -> dict | None:
             meta = shipped.metadata() or {}
             if meta.get("model") != name or meta.get("params") != str(sum(p.numel() for p in model.parameters())):
                 return None
-            return {key: shipped.get_tensor(key) for key in shipped.keys()}
+            names = shipped.keys()  # a safe_open handle, not a dict: no iteration of its own
+            return {name: shipped.get_tensor(name) for name in names}
     except (OSError, ValueError, SafetensorError):
         return None
 
