@@ -47,9 +47,9 @@ def max_fed_value(text: str) -> int | str | None:
 def add_max_fed_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-fed", type=max_fed_value, default="auto", metavar="{auto,none,N}",
-        help="cap on the tokens one MARS pass feeds (accepted + masks): auto = the widest pass the measured CPU "
-        "compute path runs for at most 1.15x a one-token pass, none on a GPU; none = always B-1 masks, as in the "
-        "paper (default: auto)",
+        help="how wide a MARS pass is: auto = each pass's width priced on the measured CPU compute path's cost "
+        "(for expected tokens per ms; batches: the cost surface), the full window on a GPU; none = always B-1 "
+        "masks, as in the paper; N = at most N tokens fed (accepted + masks) (default: auto)",
     )
 
 

@@ -238,3 +238,19 @@ def test_rows_that_join_a_priced_batch_decode_as_alone_at_their_widths(tiny_llam
     assert len(widths) > 1  # the controller changed widths along the way
     for s in loop.served.values():
         assert s.token_ids == alone_at(tiny_llama, s.request.prompt, s.trace, max_new=12)
+
+
+def test_single_sequence_mars_prices_its_width_on_the_measured_curve(tiny_llama, monkeypatch):
+    from mars_demo.engine.decoding import collect, generate
+    from mars_demo.engine.kernels import ComputePath
+    from mars_demo.ui.charts import width_text
+
+    config = DecodeConfig(tau=0.0, block_size=4, max_new_tokens=NEW)
+    linear = ComputePath(path="fp32", requested="fp32", costs_ms={w: 1.0 + 10.0 * w for w in range(1, 9)})
+    monkeypatch.setattr(tiny_llama.model, "mars_compute", linear, raising=False)
+    steps = collect(generate(tiny_llama, PROMPTS[0], config)).steps
+    assert {s.width for s in steps[1:]} == {1} and width_text(steps) == "1"  # no mask pays: AR passes
+    flat = ComputePath(path="fp32", requested="fp32", costs_ms={w: 10.0 for w in range(1, 9)})
+    monkeypatch.setattr(tiny_llama.model, "mars_compute", flat, raising=False)
+    steps = collect(generate(tiny_llama, PROMPTS[0], config)).steps
+    assert max(s.width for s in steps[1:]) == 4 and width_text(steps).startswith(("1–4", "2–4", "3–4", "4"))

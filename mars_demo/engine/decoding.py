@@ -29,6 +29,7 @@ from .loading import LoadedModel
 from .metrics import Rates
 from .placement import SeededGenerator, input_device
 from .prompts import prompt_ids
+from .width import OneRow, Surface, WidthController
 
 
 class LiveTau:
@@ -63,6 +64,7 @@ class StepEvent:
     seconds: float
     stats: RunStats | None = None  # totals, on the final event only
     origins: tuple[str, ...] = ()  # per token: exact.AR, exact.DRAFT (verified) or exact.MASK (confidence)
+    width: int = 0  # tokens the pass fed past the newest accepted one, plus one (1: an AR pass)
 
     @property
     def text(self) -> str:
@@ -105,6 +107,7 @@ class _Pass:
     finish: str | None
     origins: list[str]
     cached: int  # the cache's length after the pass (a 0-d tensor for a static cache: read it, it syncs)
+    width: int = 0  # as StepEvent.width
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -157,16 +160,19 @@ def forward_fed(model: PreTrainedModel, cache: DynamicCache, fed: exact.Fed) -> 
 
 def verify_pass(
     model: PreTrainedModel, cache: DynamicCache, pending: list[int], drafts: list[int], lookahead: int, mask_id: int,
-    tau: float, metric: str, *, fallback: bool = True,
-) -> exact.Verdict:
-    """One verifying pass (exact.py): check the drafts, draft again, crop what is not kept off the cache."""
+    tau: float, metric: str, fallback: bool = True,
+) -> tuple[exact.Verdict, int]:
+    """One verifying pass (exact.py): check the drafts, draft again, crop what is not kept off the cache.
+
+    Returns the verdict and the pass's width (StepEvent.width: the columns fed past the pending tokens, plus one).
+    """
     fed = exact.verify_window(
         pending, drafts, lookahead, mask_id, cache.get_seq_length(), model.dtype, input_device(model),
         fallback=fallback,
     )
     verdict = exact.verify(forward_fed(model, cache, fed), drafts, lookahead, tau, metric)
     cache.crop(-(fed.width - len(pending) - verdict.cached))  # rejected drafts and both mask groups
-    return verdict
+    return verdict, fed.width - len(pending) + 1
 
 
 def pass_cache(model: PreTrainedModel, length: int, verifying: bool) -> tuple[Cache, object]:
@@ -179,21 +185,26 @@ def pass_cache(model: PreTrainedModel, length: int, verifying: bool) -> tuple[Ca
 
 def mars_pass(
     model: PreTrainedModel, cache: Cache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
-    temperature: float, generator: SeededGenerator, max_fed: int | None, call=None,
-) -> tuple[list[int], list[float]]:
+    temperature: float, generator: SeededGenerator, max_fed: int | None, call=None, width: int | None = None,
+) -> tuple[list[int], list[float], int]:
     """One MARS pass: feed [pending | masks], accept the confident prefix, drop the masks off the cache.
 
+    Returns the accepted tokens, their confidences and the pass's width (candidates offered).
+
     At tau = 1.0 only candidate 1 can be accepted, so the masks are skipped (a plain AR pass).
+    ``width`` (candidates, the width controller's choice) overrides the window and ``max_fed``.
     Inputs go where ``masks`` is (the first layer's device); sampling happens on the logits' device.
     """
-    width = 1 if tau >= 1.0 else masks.shape[1] + 1
-    if width > 1 and max_fed is not None:
-        width = capped_width(width, len(pending), max_fed)
+    if width is None:
+        width = 1 if tau >= 1.0 else masks.shape[1] + 1
+        if width > 1 and max_fed is not None:
+            width = capped_width(width, len(pending), max_fed)
+    width = 1 if tau >= 1.0 else width
     fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=masks.device), masks[:, : width - 1]], dim=1)
     logits = forward_window(model, cache, fed, width, call)
     tokens, confs = accept_prefix(logits, tau, metric, temperature, generator.on(logits.device))
     rewind(cache, width - 1)  # accepted tokens are fed next pass
-    return tokens, confs
+    return tokens, confs, width
 
 
 @torch.inference_mode()
@@ -211,12 +222,13 @@ def decode_passes(
     seed: int | None = None,
     max_fed: int | None = None,
     verifying: bool = False,
+    widths: OneRow | None = None,
 ) -> Iterator[_Pass]:
-    """The decoding loop in token space; ``window`` = 1 is plain AR decoding.
+    """The decoding loop in token space; ``window`` = 1 is plain AR decoding. The cache is local to it.
 
     ``verifying``: the masks' guesses that tau does not accept become drafts that the next pass verifies
-    (exact.py; tau = 1.0 is lossless). The cache is local to this generator. ``max_fed`` caps the tokens
-    fed after the prefill of a non-verifying pass (see ``DecodeConfig``).
+    (exact.py; tau = 1.0 is lossless). ``max_fed`` caps the tokens fed after the prefill of a MARS pass
+    (``DecodeConfig``); ``widths`` (width.py) instead prices each MARS pass's width on the cost curve.
     """
     if verifying and temperature > 0:
         raise ValueError(EXACT_IS_GREEDY)
@@ -227,10 +239,8 @@ def decode_passes(
     cache, compiled = pass_cache(model, len(prompt) + max_new_tokens + window, verifying)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
     drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
-    compute = getattr(model, "mars_compute", None)  # kernels.ComputePath: the measured cost curve
-    depths = exact.DraftDepth(window - 1, compute.costs_ms if compute else None)
-    history = [*prompt]  # every committed token: where exact mode looks up drafts
-    produced = 0
+    depths = exact.DraftDepth(window - 1, getattr(getattr(model, "mars_compute", None), "costs_ms", None))
+    history, produced = [*prompt], 0  # every committed token (where exact mode looks up drafts), their count
     while True:
         tau_now = tau.get()
         started = time.perf_counter()
@@ -238,21 +248,23 @@ def decode_passes(
             # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
             depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
             drafts = exact.pick_drafts(history, drafts, depth) if tau_now >= 1.0 else drafts[:depth]
-            verdict = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback=fallback)
+            verdict, width = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback)
             depths.observe(len(drafts), verdict.cached)
             tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
             pending = tokens[verdict.cached :]
         else:
-            cap = max_fed if produced else None  # the prefill always gets every mask
-            tokens, confs = mars_pass(model, cache, pending, masks, tau_now, metric, temperature, generator, cap,
-                                      compiled if produced else None)  # the prefill stays eager
+            chosen = widths.choose(tau_now, max_new_tokens - produced, len(pending), produced) if widths else None
+            tokens, confs, width = mars_pass(model, cache, pending, masks, tau_now, metric, temperature, generator,
+                                             max_fed if produced else None, compiled if produced else None, chosen)
+            if chosen is not None:
+                widths.observe(tau_now, chosen, len(tokens))
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
             pending = tokens
         tokens, finish = commit_tokens(tokens, max_new_tokens - produced, stop_ids)
         produced += len(tokens)
         history += tokens
         seconds, n = time.perf_counter() - started, len(tokens)
-        yield _Pass(tokens, confs[:n], tau_now, seconds, finish, origins[:n], cache.get_seq_length())
+        yield _Pass(tokens, confs[:n], tau_now, seconds, finish, origins[:n], cache.get_seq_length(), width)
         if finish:
             return
 
@@ -310,8 +322,17 @@ def stream(
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), seed=config.seed,
         max_fed=resolve_max_fed(config.max_fed, model), verifying=verifying,
+        widths=width_controller(model, config, window),
     )
     return _events(passes, Detokenizer(tokenizer), config.stop)
+
+
+def width_controller(model: PreTrainedModel, config: DecodeConfig, window: int) -> OneRow | None:
+    """MARS with ``max_fed`` "auto" on a measured CPU path: each pass's width priced on the path's cost curve."""
+    compute = getattr(model, "mars_compute", None)  # kernels.ComputePath: the measured cost curve
+    if config.mode != "mars" or config.max_fed != "auto" or compute is None or len(compute.costs_ms) < 2:
+        return None
+    return OneRow(WidthController(Surface.from_curve(compute.costs_ms), window))
 
 
 def _events(passes: Iterator[_Pass], detok: Detokenizer, stops: tuple[str, ...]) -> Iterator[StepEvent]:
@@ -338,6 +359,7 @@ def _events(passes: Iterator[_Pass], detok: Detokenizer, stops: tuple[str, ...])
             seconds=step.seconds,
             stats=stats,
             origins=tuple(step.origins[: len(step.tokens)]),
+            width=step.width,
         )
         if finish:
             return

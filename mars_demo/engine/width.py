@@ -74,6 +74,12 @@ class Surface:
         return cls(rows, widths, [[cost(r, w) for w in widths] for r in rows], name=name, simulated=simulated)
 
     @classmethod
+    def from_curve(cls, costs_ms: dict, *, name: str = "measured curve") -> Surface:
+        """One row's surface from a compute path's curve {tokens fed: ms} (kernels.ComputePath.costs_ms)."""
+        points = sorted((int(w), float(ms)) for w, ms in costs_ms.items())
+        return cls((1,), [w for w, _ in points], [[ms for _, ms in points]], name=name)
+
+    @classmethod
     def from_record(cls, record: dict) -> Surface:
         try:
             return cls(record["rows"], record["widths"], record["ms"], name=record.get("name", "measured"),
@@ -289,6 +295,24 @@ class WidthController:
         if width == 1:
             return "width 1 (plain AR passes): on this machine's cost surface no mask pays for itself here"
         return f"width {width}: expected {gain:.2f}x the tokens per ms of one-token passes on the cost surface"
+
+
+class OneRow:
+    """The controller of one sequence (decoding.decode_passes): its running acceptance and each pass's width."""
+
+    def __init__(self, controller: WidthController) -> None:
+        self.controller, self.hits = controller, None
+
+    def choose(self, tau: float, room: int, pending: int, produced: int) -> int | None:
+        """The next MARS pass's width (None at tau 1.0: an AR pass); ``pending`` is the prompt's length in the
+        prefill (nothing ``produced`` yet), where masks are priced beside it."""
+        if tau >= 1.0:
+            return None
+        self.hits = self.hits or self.controller.new_row(tau)
+        return self.controller.choose([self.hits], [room], tau, None if produced else pending)
+
+    def observe(self, tau: float, width: int, accepted: int) -> None:
+        self.controller.observe(self.hits, tau, width - 1, accepted - 1)
 
 
 _SURFACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its surface, within this process

@@ -146,6 +146,15 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "—" if value is None else format(value, pattern)
 
 
+def width_text(steps: Sequence[StepEvent]) -> str:
+    """The widths the passes after the prefill fed, in one cell: "1-4, mostly 3" ("—" before any)."""
+    widths = Counter(s.width for s in steps[1:] if s.width)
+    if not widths:
+        return "—"
+    low, high, most = min(widths), max(widths), widths.most_common(1)[0][0]
+    return str(low) if low == high else f"{low}–{high}, mostly {most}"
+
+
 def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None) -> go.Figure:
     """Tokens/s, tokens/forward, passes, time and speedup over AR, for both sides."""
     m = Rates.of_steps(mars)
@@ -158,6 +167,7 @@ def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = No
         ("tokens / s", _fmt(m.tokens_per_second, ".1f"), _fmt(a and a.tokens_per_second, ".1f")),
         ("speedup over AR", _fmt(speedup(m, a), ".2f") + ("×" if speedup(m, a) else ""), "1.00×" if a else "—"),
         ("same tokens as AR", agreement_text(mars, ar), "—"),
+        ("width (chosen for tokens / ms)", width_text(mars), width_text(ar or [])),
     ]
     labels, mars_col, ar_col = (list(col) for col in zip(*rows))
     fig = go.Figure(
@@ -174,7 +184,7 @@ def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = No
             },
         )
     )
-    return _style(fig, "Summary", height=350)
+    return _style(fig, "Summary", height=380)
 
 
 def frontier(points: Sequence[FrontierPoint]) -> go.Figure:
