@@ -39,6 +39,7 @@ from ..engine.loading import load_for_decoding
 from ..engine.memory import ModelTooLarge, check_fits, trim_heap
 from . import charts
 from .hosting import DecodeSlot, Limits, SlotBusy
+from .loading import staged_load
 from .messages import error, number, sentence, text, warning
 from .models import (
     COMPUTE_CHOICES,
@@ -190,10 +191,9 @@ class DemoHandlers:
             return
         try:
             spec = self.policy.check(spec)
-            if not self.models.has(spec, path):
-                loading = f"Loading {spec}… (a download or a first conversion can take a while)"
-                yield outputs(MODEL_OUTPUTS, model_line=model_message(loading))
-            lm = self.models.get(spec, path)
+            for lm in staged_load(self.models, spec, path):  # what the load is doing, then the model
+                if isinstance(lm, str):
+                    yield outputs(MODEL_OUTPUTS, model_line=model_message(lm))
         except Exception as err:  # noqa: BLE001 - any failure to load is the visitor's to read, not a crash
             same = (session.spec, session.precision) == (spec, precision)
             yield self._kept(self._refusal(spec, err), session, "Model not loaded", request,
