@@ -12,9 +12,11 @@ rows' running acceptance says it returns:
 E_r(w) is the tokens row r is expected to commit from a pass of width w (one, plus each mask
 reached by an unbroken run of accepted ones: ``Hits``). W = 1 is plain (batched) AR, and it
 is chosen whenever no mask pays. n_w is what a pass feeds before its masks: the tokens accepted
-the pass before, which in the steady state of width w is the rows' most expected, max_r E_r(w)
-(every token committed is fed once more, so a wide pass also widens the next one); in the
-prefill it is the longest prompt, beside which masks cost next to nothing.
+the pass before by the row that accepted most (the pass is a rectangle), which in the steady
+state of width w is E[max_r accepted_r] = sum_k (1 - prod_r (1 - P_r(at least k))): every token
+committed is fed once more, so a wide pass also widens the next one, and the more rows, the
+likelier one of them widens it. In the prefill n is the longest prompt, beside which masks
+cost next to nothing.
 The width changes how many candidates a pass can accept,
 never which token a candidate is, so exact mode stays greedy AR's text at any width.
 
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .acceptance import greedy_confidence
 from .machine import cache_dir
 
 if TYPE_CHECKING:
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 GRID_ROWS = (1, 2, 4, 8)
 GRID_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 16, 32)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
 SURFACE_FILE = "cost-surfaces.json"
-SURFACE_VERSION = 1
+SURFACE_VERSION = 2  # 2: the acceptance's cost included
 SURFACE_CONTEXT = 128  # cached tokens per row before a measured pass
 SURFACE_ROUNDS = 5  # rounds kept per point (after two warm-up rounds): the fastest is the pass alone
 
@@ -139,8 +142,10 @@ def measure(model: PreTrainedModel, *, rows: Sequence[int] = GRID_ROWS, widths: 
     """Measure the surface: a cached pass feeding ``width`` tokens to each of ``rows`` rows after ``context`` tokens.
 
     The attention mask and position ids are passed as the batch decoders pass them, so the compute
-    path's attention runs as in a real pass. The widths of one row count take turns, one pass each per
-    round, and the fastest round of each is kept: other load only ever adds time.
+    path's attention runs as in a real pass, and every pass's logits go through the greedy choice and
+    its host sync as the decoders' do (a wider pass also costs its candidates' acceptance). The widths
+    of one row count take turns, one pass each per round, and the fastest round of each is kept:
+    other load only ever adds time.
     """
     gen = torch.Generator().manual_seed(0)
     vocab, device = model.config.vocab_size, model.device
@@ -156,10 +161,10 @@ def measure(model: PreTrainedModel, *, rows: Sequence[int] = GRID_ROWS, widths: 
                 mask = torch.ones(r, context + w, dtype=torch.long, device=device)
                 positions = torch.arange(context, context + w, device=device)[None].expand(r, -1)
                 started = time.perf_counter()
-                model(input_ids=ids[:, context : context + w], attention_mask=mask, position_ids=positions,
-                      past_key_values=cache, use_cache=True, logits_to_keep=w)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                out = model(input_ids=ids[:, context : context + w], attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=w)
+                tokens, conf = greedy_confidence(out.logits, "probability")
+                torch.stack([tokens.double(), conf.double()]).tolist()  # the host sync, as accept_rows has it
                 seen[w].append(time.perf_counter() - started)
                 cache.crop(-w)
         grid.append([min(seen[w][2:]) * 1000 for w in widths])
@@ -226,6 +231,20 @@ class Hits:
         return total
 
 
+def widest_accepted(rows: Sequence[Hits], widths: Sequence[int]) -> float:
+    """Expected tokens accepted by the row that accepts most, each row offered its width's candidates."""
+    total, most = 0.0, max(widths, default=1)
+    reach = [1.0] * len(rows)  # P(row accepts at least k)
+    for k in range(1, most + 1):
+        if k > 1:
+            reach = [r * h.share(k - 2) if k <= w else 0.0 for r, h, w in zip(reach, rows, widths)]
+        none = 1.0
+        for r in reach:
+            none *= 1.0 - r
+        total += 1.0 - none
+    return total
+
+
 class WidthController:
     """Chooses each pass's width (module docstring) and keeps what it chose and why.
 
@@ -257,9 +276,10 @@ class WidthController:
 
         ``fed``: the columns this pass feeds before its masks (a prefill); None: the steady state's.
         """
-        expected = [h.expected(min(width, cap)) for h, cap in zip(rows, caps)]
-        before = max(expected) if fed is None else fed
-        return sum(expected) / self.surface.ms(len(rows), before - 1 + width)
+        widths = [min(width, cap) for cap in caps]
+        expected = sum(h.expected(w) for h, w in zip(rows, widths))
+        before = widest_accepted(rows, widths) if fed is None else fed
+        return expected / self.surface.ms(len(rows), before - 1 + width)
 
     def choose(self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None) -> int:
         """The width of the next pass (``fed`` as in ``rate``): 1 at tau = 1.0, else the best rate."""

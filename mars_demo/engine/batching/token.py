@@ -186,10 +186,14 @@ class TokenBatch:
                 drafts = self.drafts[r]
                 self.drafts[r] = exact.pick_drafts(self.history[r], drafts, depth) if tau >= 1.0 else drafts[:depth]
             drafted = {r: len(self.drafts[r]) for r in self.active}
-            steps, fed = _verify_pass(
-                self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, depth, self.mask_id,
-                self.pad_id, tau, self.metric,
-            )
+            if depth:
+                steps, fed = _verify_pass(
+                    self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, depth, self.mask_id,
+                    self.pad_id, tau, self.metric,
+                )
+            else:  # nothing to verify and no masks: a plain AR pass, without the verifying pass's 4-D mask
+                steps, fed = self._window_pass(1.0)
+                steps = [replace(step, origins=(exact.AR,) * len(step.token_ids)) for step in steps]
             for r, count in drafted.items():
                 self.depths.observe(count, sum(o == exact.DRAFT for o in steps[r].origins))
                 self.history[r] += steps[r].token_ids
