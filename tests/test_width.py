@@ -254,3 +254,11 @@ def test_single_sequence_mars_prices_its_width_on_the_measured_curve(tiny_llama,
     monkeypatch.setattr(tiny_llama.model, "mars_compute", flat, raising=False)
     steps = collect(generate(tiny_llama, PROMPTS[0], config)).steps
     assert max(s.width for s in steps[1:]) == 4 and width_text(steps).startswith(("1–4", "2–4", "3–4", "4"))
+
+
+def test_a_measured_point_above_a_larger_pass_is_bounded_by_it():
+    from mars_demo.engine.width import monotone
+
+    noisy = [[3.9, 3.9, 4.1], [10.0, 7.5, 9.3]]  # 2 rows x 1 token measured during a burst of other load
+    assert monotone(noisy) == [[3.9, 3.9, 4.1], [7.5, 7.5, 9.3]]
+    assert monotone([[5.0, 4.0], [3.0, 6.0]]) == [[3.0, 4.0], [3.0, 6.0]]  # bounded by the taller pass too

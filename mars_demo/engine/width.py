@@ -49,9 +49,9 @@ if TYPE_CHECKING:
 GRID_ROWS = (1, 2, 4, 8)
 GRID_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 16, 32)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
 SURFACE_FILE = "cost-surfaces.json"
-SURFACE_VERSION = 2  # 2: the acceptance's cost included
+SURFACE_VERSION = 3  # 2: the acceptance's cost included; 3: made monotone
 SURFACE_CONTEXT = 128  # cached tokens per row before a measured pass
-SURFACE_ROUNDS = 5  # rounds kept per point (after two warm-up rounds): the fastest is the pass alone
+SURFACE_ROUNDS = 7  # rounds kept per point (after two warm-up rounds): the fastest is the pass alone
 
 
 class Surface:
@@ -168,7 +168,20 @@ def measure(model: PreTrainedModel, *, rows: Sequence[int] = GRID_ROWS, widths: 
                 seen[w].append(time.perf_counter() - started)
                 cache.crop(-w)
         grid.append([min(seen[w][2:]) * 1000 for w in widths])
-    return Surface(rows, widths, grid)
+    return Surface(rows, widths, monotone(grid))
+
+
+def monotone(grid: list[list[float]]) -> list[list[float]]:
+    """No point above a wider or a taller one: a pass that feeds more cannot cost less, so where a
+    measured point costs more than one that feeds more, a burst of other load slowed it (load only
+    ever adds time), and the larger pass's cost bounds it."""
+    out = [list(line) for line in grid]
+    for r in range(len(out) - 1, -1, -1):
+        for w in range(len(out[r]) - 1, -1, -1):
+            wider = out[r][w + 1] if w + 1 < len(out[r]) else math.inf
+            taller = out[r + 1][w] if r + 1 < len(out) else math.inf
+            out[r][w] = min(out[r][w], wider, taller)
+    return out
 
 
 def cached_surface(model: PreTrainedModel, key: str, table_dir: Path) -> Surface:
@@ -231,6 +244,9 @@ class Hits:
         return total
 
 
+_POOLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # surface -> {most: {tau: pooled Hits}}
+
+
 def widest_accepted(rows: Sequence[Hits], widths: Sequence[int]) -> float:
     """Expected tokens accepted by the row that accepts most, each row offered its width's candidates."""
     total, most = 0.0, max(widths, default=1)
@@ -249,7 +265,9 @@ class WidthController:
     """Chooses each pass's width (module docstring) and keeps what it chose and why.
 
     ``surface`` None: width is taken to be free (an unmeasured device): every pass gets ``most``.
-    Each row's acceptance is its own ``Hits``, started from the batch's pooled share at the same tau.
+    Each row's acceptance is its own ``Hits``, started from the pooled share at the same tau, which every
+    controller on the same surface shares (within this process): a new batch starts from what the
+    model's rows have shown on this machine, not from the prior.
     """
 
     ROW_DECAY = 0.95  # a row's own share follows its last tens of passes
@@ -257,7 +275,8 @@ class WidthController:
 
     def __init__(self, surface: Surface | None, most: int) -> None:
         self.surface, self.most = surface, max(int(most), 1)
-        self.pooled: dict[float, Hits] = {}
+        shared = _POOLED.setdefault(surface, {}) if surface is not None else {}
+        self.pooled: dict[float, Hits] = shared.setdefault(self.most, {})  # tau -> the pooled share
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
 
     def new_row(self, tau: float) -> Hits:
