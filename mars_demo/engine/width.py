@@ -49,7 +49,10 @@ if TYPE_CHECKING:
 GRID_ROWS = (1, 2, 4, 8)
 GRID_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 16, 32)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
 SURFACE_FILE = "cost-surfaces.json"
-SURFACE_VERSION = 3  # 2: the acceptance's cost included; 3: made monotone
+SURFACE_VERSION = 4  # 2: the acceptance's cost included; 3: made monotone; 4: rows with holes
+HOLES = 8  # left holes per row step when measuring (rows 0, 8, 16, 24 holes, repeating)
+GAIN = 1.05  # a wider pass is taken only where it promises this much over one-token passes: the
+# surface is a model of what a pass costs, and a pass it prices within a few percent may not pay
 SURFACE_CONTEXT = 128  # cached tokens per row before a measured pass
 SURFACE_ROUNDS = 7  # rounds kept per point (after two warm-up rounds): the fastest is the pass alone
 
@@ -141,8 +144,9 @@ def measure(model: PreTrainedModel, *, rows: Sequence[int] = GRID_ROWS, widths: 
             context: int = SURFACE_CONTEXT, rounds: int = SURFACE_ROUNDS) -> Surface:
     """Measure the surface: a cached pass feeding ``width`` tokens to each of ``rows`` rows after ``context`` tokens.
 
-    The attention mask and position ids are passed as the batch decoders pass them, so the compute
-    path's attention runs as in a real pass, and every pass's logits go through the greedy choice and
+    The attention mask and position ids are passed as the batch decoders pass them, rows of different
+    lengths (holes on the left) as in a real batch, so the compute path's masking and attention run as
+    in a real pass, and every pass's logits go through the greedy choice and
     its host sync as the decoders' do (a wider pass also costs its candidates' acceptance). The widths
     of one row count take turns, one pass each per round, and the fastest round of each is kept:
     other load only ever adds time.
@@ -153,12 +157,14 @@ def measure(model: PreTrainedModel, *, rows: Sequence[int] = GRID_ROWS, widths: 
     for r in rows:
         ids = torch.randint(vocab // 4, vocab // 2, (r, context + max(widths)), generator=gen).to(device)
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :context], attention_mask=torch.ones(r, context, dtype=torch.long, device=device),
-              past_key_values=cache, use_cache=True, logits_to_keep=1)
+        held = torch.ones(r, context, dtype=torch.long, device=device)
+        for row in range(1, r):  # rows of different lengths, as in a real batch: holes on the left
+            held[row, : HOLES * (row % 4)] = 0
+        model(input_ids=ids[:, :context], attention_mask=held, past_key_values=cache, use_cache=True, logits_to_keep=1)
         seen: dict[int, list[float]] = {w: [] for w in widths}
         for _ in range(rounds + 2):  # two warm-up rounds
             for w in widths:
-                mask = torch.ones(r, context + w, dtype=torch.long, device=device)
+                mask = torch.cat([held, torch.ones(r, w, dtype=torch.long, device=device)], dim=1)
                 positions = torch.arange(context, context + w, device=device)[None].expand(r, -1)
                 started = time.perf_counter()
                 out = model(input_ids=ids[:, context : context + w], attention_mask=mask, position_ids=positions,
@@ -309,6 +315,7 @@ class WidthController:
         else:
             rates = {w: self.rate(rows, caps, w, fed) for w in range(1, self.most + 1)}
             best = max(rates, key=lambda w: (rates[w], -w))
+            best = best if rates[best] >= GAIN * rates[1] else 1
             self.last = (best, rates[best] / rates[1])
         return self.last[0]
 
@@ -324,7 +331,8 @@ class WidthController:
         hits = self.pooled.get(round(tau, 4)) or Hits(self.most - 1)
         every = [hits] * rows
         caps = [self.most] * rows
-        return max(self.rate(every, caps, w) for w in range(1, self.most + 1)) / self.rate(every, caps, 1)
+        gain = max(self.rate(every, caps, w) for w in range(1, self.most + 1)) / self.rate(every, caps, 1)
+        return gain if gain >= GAIN else 1.0
 
     def why(self) -> str:
         """One line: the width chosen last and the reason."""

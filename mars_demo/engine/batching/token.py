@@ -27,7 +27,7 @@ from ..acceptance import accept_rows
 from ..config import EXACT_IS_GREEDY
 from ..decoding import LiveTau
 from ..placement import SeededGenerator
-from ..width import Hits, WidthController
+from ..width import GAIN, Hits, WidthController
 from .events import BatchEvent, RowStep
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
@@ -211,7 +211,9 @@ class TokenBatch:
         rows = len(self.active)
         self.depths.costs = {w: surface.ms(rows, w) for w in range(1, 3 * most + 2)}
         depth, _ = self.depths.layout(fallbacks=(True,))
-        self.controller.last = (1 + depth, self.depths.rate(depth, True) / self.depths.rate(0, True))
+        gain = self.depths.rate(depth, True) / self.depths.rate(0, True)
+        depth = depth if gain >= GAIN else 0  # as the MARS width: a layout priced within a few percent may not pay
+        self.controller.last = (1 + depth, gain if depth else 1.0)
         return depth
 
     def _window_pass(self, tau: float) -> tuple[list[RowStep], int]:
