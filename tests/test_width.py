@@ -262,3 +262,17 @@ def test_a_measured_point_above_a_larger_pass_is_bounded_by_it():
     noisy = [[3.9, 3.9, 4.1], [10.0, 7.5, 9.3]]  # 2 rows x 1 token measured during a burst of other load
     assert monotone(noisy) == [[3.9, 3.9, 4.1], [7.5, 7.5, 9.3]]
     assert monotone([[5.0, 4.0], [3.0, 6.0]]) == [[3.0, 4.0], [3.0, 6.0]]  # bounded by the taller pass too
+
+
+def test_the_controller_corrects_a_measured_surface_by_the_passes_it_sees():
+    flat = Surface.from_cost(lambda r, w: 5.0 + 0.1 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(flat, 4)
+    rows = [Hits(3) for _ in range(4)]
+    assert controller.choose(rows, [9] * 4, 0.9) > 1  # priced as nearly free
+    for _ in range(60):  # but wide passes take three times their price here, one-token passes their price
+        controller.passed(4, 3, 3 * flat.ms(4, 3) / 1000)
+        controller.passed(4, 1, flat.ms(4, 1) / 1000)
+    assert controller.scale[True] == pytest.approx(3.0, rel=0.01) and controller.choose(rows, [9] * 4, 0.9) == 1
+    simulated = WidthController(FREE, 4)  # a cost model's surface is the clock itself: never corrected
+    simulated.passed(4, 3, 1.0)
+    assert simulated.scale[True] == 1.0

@@ -274,15 +274,22 @@ class WidthController:
     Each row's acceptance is its own ``Hits``, started from the pooled share at the same tau, which every
     controller on the same surface shares (within this process): a new batch starts from what the
     model's rows have shown on this machine, not from the prior.
+
+    On a measured surface the controller also checks it against the passes it sees (``passed``): the
+    running ratio of a pass's measured time to the surface's price, kept apart for one-token and wider
+    passes (the host work a real batch adds per column is not all in the surface), scales the price
+    of every later pass. A simulated surface is the clock itself and is taken as it is.
     """
 
     ROW_DECAY = 0.95  # a row's own share follows its last tens of passes
     POOLED_DECAY = 0.99  # the batch's, its last hundreds of row passes
+    COST_DECAY = 0.9  # the measured / priced ratio follows the last tens of passes
 
     def __init__(self, surface: Surface | None, most: int) -> None:
         self.surface, self.most = surface, max(int(most), 1)
         shared = _POOLED.setdefault(surface, {}) if surface is not None else {}
         self.pooled: dict[float, Hits] = shared.setdefault(self.most, {})  # tau -> the pooled share
+        self.scale: dict[bool, float] = shared.setdefault("scale", {False: 1.0, True: 1.0})  # wide? -> ratio
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
 
     def new_row(self, tau: float) -> Hits:
@@ -304,7 +311,16 @@ class WidthController:
         widths = [min(width, cap) for cap in caps]
         expected = sum(h.expected(w) for h, w in zip(rows, widths))
         before = widest_accepted(rows, widths) if fed is None else fed
-        return expected / self.surface.ms(len(rows), before - 1 + width)
+        columns = before - 1 + width
+        return expected / (self.surface.ms(len(rows), columns) * self.scale[columns > 1])
+
+    def passed(self, rows: int, columns: int, seconds: float) -> None:
+        """A pass over ``rows`` rows fed ``columns`` columns and took ``seconds``: correct the prices."""
+        if self.surface is None or self.surface.simulated or rows < 1 or columns < 1 or seconds <= 0:
+            return
+        ratio = seconds * 1000 / self.surface.ms(rows, columns)
+        wide = columns > 1
+        self.scale[wide] = self.COST_DECAY * self.scale[wide] + (1 - self.COST_DECAY) * min(max(ratio, 0.25), 4.0)
 
     def choose(self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None) -> int:
         """The width of the next pass (``fed`` as in ``rate``): 1 at tau = 1.0, else the best rate."""
@@ -315,7 +331,7 @@ class WidthController:
         else:
             rates = {w: self.rate(rows, caps, w, fed) for w in range(1, self.most + 1)}
             best = max(rates, key=lambda w: (rates[w], -w))
-            best = best if rates[best] >= GAIN * rates[1] else 1
+            best = best if rates[best] >= (GAIN if len(rows) > 1 else 1.0) * rates[1] else 1
             self.last = (best, rates[best] / rates[1])
         return self.last[0]
 

@@ -180,6 +180,7 @@ class TokenBatch:
     @torch.inference_mode()
     def step(self, tau: float) -> tuple[list[RowStep], int]:
         """One forward pass for every active row; (a step per book row, columns fed). Finished rows leave."""
+        started, rows = time.perf_counter(), len(self.active)
         if self.verifying:
             depth = self._depth()
             for r in self.active:  # exact passes also draft by lookup, as decode_passes does
@@ -200,6 +201,8 @@ class TokenBatch:
         else:
             steps, fed = self._window_pass(tau)
         self.active = self.kv.drop_finished(self.book, self.active)
+        if self.passes:  # what the pass cost against its price (the prefill is priced apart)
+            self.controller.passed(rows, fed, time.perf_counter() - started)
         self.passes += 1
         return steps, fed
 
@@ -209,7 +212,8 @@ class TokenBatch:
         if surface is None or not self.passes:
             return most
         rows = len(self.active)
-        self.depths.costs = {w: surface.ms(rows, w) for w in range(1, 3 * most + 2)}
+        scale = self.controller.scale  # the surface's prices against the passes seen (WidthController.passed)
+        self.depths.costs = {w: surface.ms(rows, w) * scale[w > 1] for w in range(1, 3 * most + 2)}
         depth, _ = self.depths.layout(fallbacks=(True,))
         gain = self.depths.rate(depth, True) / self.depths.rate(0, True)
         depth = depth if gain >= GAIN else 0  # as the MARS width: a layout priced within a few percent may not pay
