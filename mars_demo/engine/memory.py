@@ -48,7 +48,7 @@ BYTES_PER_PARAM = 4  # fp32: what load_model uses on a CPU
 # (134.5M parameters, 538 MB in fp32) loaded by load_for_decoding and decoding 16 tokens added 582 MB
 # (fp32), 804 (bf16), 767 (int8), 1085 (int8dyn: fp32 weights, smoothing pass and fbgemm's packing),
 # and 1313 for "auto" on a machine it had not measured (it converts a copy of the model for each
-# path); BENCHMARKS.md, "Memory by compute path".
+# path); docs/bench/history.md, "Memory by compute path".
 LOAD_FACTORS = {"fp32": 1.1, "bf16": 1.5, "int8": 1.5, "int8dyn": 2.1, "auto": 2.5}
 LOAD_FACTOR = max(LOAD_FACTORS.values())  # a path that cannot be told
 SMOLLM2_135M_PARAMS = 134_515_008  # the bundled base (header of its converted weights)

@@ -65,7 +65,7 @@ def decoding_threads(
     (not hosted, see ``is_hosted``) on a CPU: every visitor's browser runs on the same cores, and a
     decoding team on all of them waits at its barriers whenever the browser takes one, a cost per
     pass that flatters the race's side with more tokens a pass; so one core is left to the browser
-    (BENCHMARKS.md, "Browser race, session 19"). Hosted, on a GPU or with OMP_NUM_THREADS set,
+    (docs/bench/history.md, "Browser race, session 19"). Hosted, on a GPU or with OMP_NUM_THREADS set,
     torch's count (``threads``, default ``torch.get_num_threads()``) stands.
     """
     raw, note = env.get(THREADS_ENV, "").strip(), ""

@@ -25,7 +25,7 @@ from ..engine.metrics import Rates, speedup
 
 SIDES = ("mars", "ar")
 # The app's default for LaneCadence: a view per quarter second of each side's own decoding, about
-# four a second (MARS_DEMO_VIEW_EVERY; BENCHMARKS.md, "The UI's cost per lane").
+# four a second (MARS_DEMO_VIEW_EVERY; docs/bench/history.md, "The UI's cost per lane").
 VIEW_EVERY = 0.25
 VIEW_SETTLE = 0.1  # and the seconds the race waits after a view, off both clocks, while it is sent and drawn
 CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences")
@@ -51,7 +51,7 @@ class LaneCadence:
     The browser draws a view, and Gradio sends it, while the next forward pass runs, so each view
     slows the pass after it. Placed by the side's own clock, views land on each side in proportion
     to its decoding time, so both clocks pay the same share and the race's MARS / AR ratio is the
-    one without a UI (BENCHMARKS.md, "The UI's cost per lane"). After every pass instead, a view of
+    one without a UI (docs/bench/history.md, "The UI's cost per lane"). After every pass instead, a view of
     the bigger MARS pane lands on each AR pass, and AR's shorter passes paid the most.
     """
 
