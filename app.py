@@ -179,8 +179,8 @@ def _sidebar(policy: ModelPolicy, gpu: bool, limits: Limits) -> dict:
                                    elem_id="temperature")
         c["full_window"] = gr.Checkbox(
             value=False, label="Full window every pass (as in the paper)", elem_id="full-window",
-            info="Off: on a CPU a pass feeds at most the tokens the measured compute path runs for about the "
-            "cost of one (see the model line); on a GPU always the full window.",
+            info="Off: on a CPU each pass is as wide as pays on the measured compute path's cost (the race's "
+            "summary shows the widths); on a GPU always the full window.",
         )
         c["with_ar"] = gr.Checkbox(value=True, label="Race against the AR baseline", elem_id="with-ar")
     return c

@@ -276,3 +276,14 @@ def test_the_controller_corrects_a_measured_surface_by_the_passes_it_sees():
     simulated = WidthController(FREE, 4)  # a cost model's surface is the clock itself: never corrected
     simulated.passed(4, 3, 1.0)
     assert simulated.scale[True] == 1.0
+
+
+def test_a_row_narrowed_to_ar_passes_is_offered_a_mask_again_later():
+    controller = WidthController(GENTLE, 4)
+    row = controller.new_row(0.9)
+    for _ in range(30):  # a hard stretch: masks never hold
+        controller.observe(row, 0.9, 3, 0)
+    assert controller.choose([row], [99], 0.9) == 1
+    for _ in range(100):  # width-1 passes show nothing: the estimate relaxes toward the prior
+        controller.observe(row, 0.9, 0, 0)
+    assert controller.choose([row], [99], 0.9) > 1

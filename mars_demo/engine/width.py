@@ -217,7 +217,10 @@ class Hits:
 
     Depth j counts as tried when every depth before it held. ``decay`` (< 1) forgets old passes, so a
     row whose text turns from prose to code, or a tau that changes, moves the estimate within tens of
-    passes. PRIOR: pseudo-counts (held, tried), a first guess of one in two.
+    passes. A pass that offered nothing (width 1) shows nothing, so it relaxes the estimate toward
+    the prior instead: a row narrowed to AR passes by a hard stretch is offered a mask again some tens
+    of passes later, and keeps it if its text has turned easy. PRIOR: pseudo-counts (held, tried), a
+    first guess of one in two.
     """
 
     PRIOR = (1.0, 2.0)
@@ -230,6 +233,9 @@ class Hits:
     def observe(self, offered: int, extra: int) -> None:
         """A pass offered ``offered`` candidates past the AR token and the first ``extra`` of them held."""
         if offered < 1:
+            d = self.decay
+            self.held = [d * h + (1 - d) * self.PRIOR[0] for h in self.held]
+            self.tried = [d * t + (1 - d) * self.PRIOR[1] for t in self.tried]
             return
         if self.decay < 1:
             self.held = [h * self.decay for h in self.held]
