@@ -16,9 +16,10 @@ the pass before by the row that accepted most (the pass is a rectangle), which i
 state of width w is E[max_r accepted_r] = sum_k (1 - prod_r (1 - P_r(at least k))): every token
 committed is fed once more, so a wide pass also widens the next one, and the more rows, the
 likelier one of them widens it. In the prefill n is the longest prompt, beside which masks
-cost next to nothing.
-The width changes how many candidates a pass can accept,
-never which token a candidate is, so exact mode stays greedy AR's text at any width.
+cost next to nothing. In a batch a wider pass must promise GAIN over width 1 (the surface is a
+model); the controller corrects the surface's prices by the passes it sees (``passed``).
+The width changes how many candidates a pass can accept, never which token a candidate is,
+so exact mode stays greedy AR's text at any width.
 
 A pass is a rectangle: every row is fed W columns, a row fed fewer gets holes (columns no one
 attends to), which cost as much as masks. A row's own width is therefore W, or less where its
