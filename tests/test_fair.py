@@ -11,6 +11,7 @@ import itertools
 import json
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +34,19 @@ from mars_demo.ui.race import Session
 from mars_demo.ui.traces import TraceStore
 
 from conftest import tiny_loader
+
+
+@contextmanager
+def served(lm, tmp_path, limits: Limits | None = None, **launch):
+    """The app on ``lm``, served on a free loopback port for the block: (demo, port); closed afterwards."""
+    built = {"limits": limits} if limits is not None else {}  # else the app's own, read from the environment
+    demo = app.build_demo(tiny_loader(lm), policy=CLOSED, traces=TraceStore(tmp_path), **built)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, **launch)
+    try:
+        yield demo, port
+    finally:
+        demo.close()
 
 PROMPT = "Explain why the sky is blue."
 CLOSED = ModelPolicy(tuple(model_choices(False)), free=False)
@@ -154,32 +168,29 @@ def test_a_served_cancel_frees_the_slot_only_after_the_last_pass(tiny_qwen, tmp_
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     counter = Passes(tiny_qwen.model, delay=0.01)
-    demo = app.build_demo(tiny_loader(tiny_qwen), policy=CLOSED, traces=TraceStore(tmp_path), limits=Limits())
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
-        for _ in range(4):
-            client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-            job = client.submit(list(EXAMPLE_PROMPTS[:4]), [0.9, 0.5], 512, BUNDLED, 4, "probability", 0.0, False,
-                                "auto", api_name="/sweep")
-            deadline = time.monotonic() + 30
-            while counter.count < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            job.cancel()
-            until = time.monotonic() + 10
-            while demo.handlers.slot.running() and time.monotonic() < until:
-                time.sleep(0.01)
-            assert demo.handlers.slot.running() == 0  # the sweep's work ended
-            ended = counter.count
-            time.sleep(0.1)
-            assert counter.count == ended  # and stays ended: nothing decodes in the background
-            counter.count = 0
-        result = Client(f"http://127.0.0.1:{port}/", verbose=False).predict(
-            PROMPT, *{**RACE, "max_new_tokens": 8}.values(), "mars", "auto", api_name="/run")
-        assert 'data-status="done"' in named(RACE_OUTPUTS, result)["mars_pane"]["value"] and counter.most == 1
+        with served(tiny_qwen, tmp_path, limits=Limits()) as (demo, port):
+            for _ in range(4):
+                client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+                job = client.submit(list(EXAMPLE_PROMPTS[:4]), [0.9, 0.5], 512, BUNDLED, 4, "probability", 0.0, False,
+                                    "auto", api_name="/sweep")
+                deadline = time.monotonic() + 30
+                while counter.count < 3 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                job.cancel()
+                until = time.monotonic() + 10
+                while demo.handlers.slot.running() and time.monotonic() < until:
+                    time.sleep(0.01)
+                assert demo.handlers.slot.running() == 0  # the sweep's work ended
+                ended = counter.count
+                time.sleep(0.1)
+                assert counter.count == ended  # and stays ended: nothing decodes in the background
+                counter.count = 0
+            result = Client(f"http://127.0.0.1:{port}/", verbose=False).predict(
+                PROMPT, *{**RACE, "max_new_tokens": 8}.values(), "mars", "auto", api_name="/run")
+            assert 'data-status="done"' in named(RACE_OUTPUTS, result)["mars_pane"]["value"] and counter.most == 1
     finally:
         counter.remove()
-        demo.close()
 
 
 # -- the time budget -----------------------------------------------------------------------------
@@ -280,17 +291,11 @@ def test_an_upload_above_the_limit_is_refused(tiny_qwen, tmp_path, monkeypatch):
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     options = app.launch_options({"MARS_DEMO_UPLOAD_MB": "0.01"})
     assert app.launch_options({})["max_file_size"] == 2**20
-    demo = app.build_demo(tiny_loader(tiny_qwen), policy=CLOSED, traces=TraceStore(tmp_path))
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                max_file_size=options["max_file_size"])
-    try:
+    with served(tiny_qwen, tmp_path, max_file_size=options["max_file_size"]) as (_, port):
         url = f"http://127.0.0.1:{port}/gradio_api/upload"
         small = httpx.post(url, files={"files": ("a.txt", b"x" * 1000)}, timeout=10)
         big = httpx.post(url, files={"files": ("b.bin", b"x" * 20_000)}, timeout=10)
         assert small.status_code == 200 and big.status_code == 413
-    finally:
-        demo.close()
 
 
 # -- every call gets a message -------------------------------------------------------------------
@@ -329,10 +334,7 @@ def test_every_endpoint_answers_bad_calls_with_a_message(tiny_qwen, tmp_path, mo
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     monkeypatch.setenv("SPACE_ID", "me/mars")
-    demo = app.build_demo(tiny_loader(tiny_qwen), policy=CLOSED, traces=TraceStore(tmp_path))
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
+    with served(tiny_qwen, tmp_path) as (_, port):
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         endpoints = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
         assert {"/run", "/sweep", "/run_1", "/set_tau", "/send"} <= set(endpoints)
@@ -363,25 +365,18 @@ def test_every_endpoint_answers_bad_calls_with_a_message(tiny_qwen, tmp_path, mo
         with pytest.raises(ValidationError, match="already have a run waiting or decoding"):
             client.predict(PROMPT, *RACE.values(), "mars", "auto", api_name="/run")
         first.cancel()
-    finally:
-        demo.close()
 
 
 def test_the_serving_tab_through_gradio_client(tiny_qwen, tmp_path, monkeypatch):
     from gradio_client import Client
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
-    demo = app.build_demo(tiny_loader(tiny_qwen), policy=CLOSED, traces=TraceStore(tmp_path))
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-    try:
+    with served(tiny_qwen, tmp_path) as (demo, port):
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
         status, *_, totals = client.predict("poisson", 20.0, ["fixed:1.0", "fixed:0.9"], "", 3, 30, 2, 8, BUNDLED,
                                             "auto", False, api_name="/run_1")
         assert "Finished: 2 of 2 policies" in status and [row[0] for row in totals["data"]] == ["fixed:1", "fixed:0.9"]
         assert demo.handlers.slot.running() == 0
-    finally:
-        demo.close()
 
 
 # -- hub loads and messages ----------------------------------------------------------------------
