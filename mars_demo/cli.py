@@ -14,8 +14,8 @@ import pkgutil
 import sys
 
 from . import commands
-from .engine.kernels import PRECISION_ENV, PRECISIONS
-from .engine.loading import BUNDLED, ModelLoadError
+from .engine.backends.cpu.paths import PRECISION_ENV, PRECISIONS
+from .engine.checkpoints.loading import BUNDLED, ModelLoadError
 
 
 class UserError(Exception):

@@ -1,7 +1,7 @@
 """``auto``'s survey (likely winner first, dominated paths pruned) against measuring every path at every width.
 
 Loads the bundled model in fp32 and, in turns, runs the survey and the full measurement on the same
-conversions (``kernels._Candidates``), so both read this machine at the same moments. Prints each
+conversions (``paths._Candidates``), so both read this machine at the same moments. Prints each
 round's choice and cap, and the wall seconds of each. ``--rounds N`` repeats the pair.
 
     PYTHONPATH=. python scripts/auto_vs_full.py --rounds 3
@@ -15,20 +15,20 @@ import time
 
 import torch
 
-from mars_demo.engine import kernels
-from mars_demo.engine.loading import load_model
+from mars_demo.engine.backends.cpu import paths
+from mars_demo.engine.checkpoints.loading import load_model
 from mars_demo.engine.machine import cache_dir
 
 
 def one(candidates, widths, prune: bool) -> tuple[dict, float]:
     started = time.perf_counter()
-    real = kernels.dominated
+    real = paths.dominated
     if not prune:
-        kernels.dominated = lambda first, curve: False
+        paths.dominated = lambda first, curve: False
     try:
-        found = kernels.survey(kernels.SURVEY_ORDER, widths, candidates.curve, candidates.dnll)
+        found = paths.survey(paths.SURVEY_ORDER, widths, candidates.curve, candidates.dnll)
     finally:
-        kernels.dominated = real
+        paths.dominated = real
     return found, time.perf_counter() - started
 
 
@@ -38,19 +38,19 @@ def main() -> None:
     args = parser.parse_args()
     lm = load_model(None)  # fp32, no compute path
     widths = range(1, 2 * lm.meta.block_size + 1)
-    ranges = kernels.smoothing_ranges(lm.model, lm.tokenizer, kernels.model_key(lm.model), cache_dir())
-    candidates = kernels._Candidates(lm.model, kernels.token_ids(lm.tokenizer, kernels.calibration_texts()), ranges)
+    ranges = paths.smoothing_ranges(lm.model, lm.tokenizer, paths.model_key(lm.model), cache_dir())
+    candidates = paths._Candidates(lm.model, paths.token_ids(lm.tokenizer, paths.calibration_texts()), ranges)
     rows = []
     for _ in range(args.rounds):
         for prune in (True, False):
             found, seconds = one(candidates, widths, prune)
-            path = kernels.choose(found, block_size=lm.meta.block_size)
+            path = paths.choose(found, block_size=lm.meta.block_size)
             costs = {int(w): ms for w, ms in found[path]["costs_ms"].items()}
-            rows.append({"survey" if prune else "full": path, "cap": kernels.cap_from_costs(costs),
+            rows.append({"survey" if prune else "full": path, "cap": paths.cap_from_costs(costs),
                          "seconds": round(seconds, 2), "measured": [p for p in found if "dnll" in found[p]],
                          "curves": {p: found[p]["costs_ms"] for p in found}})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "curves"}), flush=True)
-    print(json.dumps({"cpu": kernels.cpu_model(), "threads": torch.get_num_threads(), "rounds": rows}))
+    print(json.dumps({"cpu": paths.cpu_model(), "threads": torch.get_num_threads(), "rounds": rows}))
 
 
 if __name__ == "__main__":

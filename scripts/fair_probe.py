@@ -35,7 +35,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import Server, cpu_model
 
-from mars_demo.engine.loading import BUNDLED
+from mars_demo.engine.checkpoints.loading import BUNDLED
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import RACE_OUTPUTS
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import prompt_ids
-from mars_demo.engine.kernels import PATHS, cpu_model
-from mars_demo.engine.loading import load_model
-from mars_demo.engine.metrics import agreement, exact_match
+from mars_demo.engine.backends.cpu.paths import PATHS, cpu_model
+from mars_demo.engine.checkpoints.loading import load_model
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import prompt_ids
+from mars_demo.engine.decoding.metrics import agreement, exact_match
 from mars_demo.research.evaluation import decode, pooled_nll, teacher_forced
 
 

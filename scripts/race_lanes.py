@@ -54,14 +54,14 @@ def lane_figures(passes: dict[str, list[list[float]]]) -> dict:
 
 
 def _settings(args):
-    from mars_demo.engine.config import DecodeConfig
+    from mars_demo.engine.decoding.config import DecodeConfig
 
     return DecodeConfig(tau=args.tau, max_new_tokens=args.max_new_tokens)
 
 
 def way_engine(args, prompts: list[str]) -> dict:
-    from mars_demo.engine.decoding import generate
-    from mars_demo.engine.loading import load_for_decoding
+    from mars_demo.engine.checkpoints.loading import load_for_decoding
+    from mars_demo.engine.decoding.loop import generate
     from mars_demo.ui.race import interleave
 
     lm = load_for_decoding(None, args.precision)
@@ -77,7 +77,7 @@ def way_engine(args, prompts: list[str]) -> dict:
 
 
 def way_handler(args, prompts: list[str]) -> dict:
-    from mars_demo.engine.loading import load_for_decoding
+    from mars_demo.engine.checkpoints.loading import load_for_decoding
     from mars_demo.ui.handlers import DemoHandlers
     from mars_demo.ui.race import Session
 
@@ -264,7 +264,7 @@ def main() -> None:
 
 
 def _cpu_model() -> str:
-    from mars_demo.engine.kernels import cpu_model
+    from mars_demo.engine.backends.cpu.paths import cpu_model
 
     return cpu_model()
 

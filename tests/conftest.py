@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from mars_demo.engine import decoder
-from mars_demo.engine.loading import LoadedModel, ModelLoadError, resolve_meta
+from mars_demo.engine.backends.cpu import native_layers
+from mars_demo.engine.checkpoints.loading import LoadedModel, ModelLoadError, resolve_meta
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -73,10 +73,10 @@ def make_lm(arch: str, block_size: int = 4, seed: int = 0) -> LoadedModel:
 @pytest.fixture
 def torch_layers(monkeypatch):
     """int8dyn models built in the test run the lean forward's torch layers: the native decoder is switched off."""
-    monkeypatch.setenv(decoder.DECODER_ENV, "0")
-    decoder.kernel.cache_clear()
+    monkeypatch.setenv(native_layers.DECODER_ENV, "0")
+    native_layers.kernel.cache_clear()
     yield
-    decoder.kernel.cache_clear()
+    native_layers.kernel.cache_clear()
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

@@ -19,9 +19,9 @@ import pytest
 from test_training import tied_lm, tiny_rows
 
 from mars_demo import cli
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import collect, generate
-from mars_demo.engine.loading import load_model
+from mars_demo.engine.checkpoints.loading import load_model
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import collect, generate
 
 from conftest import PROMPTS, make_tokenizer
 

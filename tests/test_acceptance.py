@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from mars_demo.engine import acceptance
-from mars_demo.engine.acceptance import accept_count, accept_rows, choose, confidence
+from mars_demo.engine.decoding import acceptance
+from mars_demo.engine.decoding.acceptance import accept_count, accept_rows, choose, confidence
 
 
 def test_probability_accepts_the_leading_run():

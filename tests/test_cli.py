@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mars_demo.cli import main
-from mars_demo.engine.decoding import capped_width
+from mars_demo.engine.decoding.loop import capped_width
 
 
 def test_generate_json_lines_for_a_prompts_file(model_dir, tmp_path, capsys):

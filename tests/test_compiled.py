@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from mars_demo.engine.compiled import compiled_forward, enable_compiled_decoding, new_cache, rewind
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import collect, generate
-from mars_demo.engine.loading import LoadedModel
+from mars_demo.engine.backends.compiled import compiled_forward, enable_compiled_decoding, new_cache, rewind
+from mars_demo.engine.checkpoints.loading import LoadedModel
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import collect, generate
 
 from conftest import PROMPTS, make_lm
 

@@ -6,7 +6,7 @@ import json
 
 from mars_demo.cli import main
 from mars_demo.commands import data as data_command
-from mars_demo.research.data import read_jsonl
+from mars_demo.research.distillation import read_jsonl
 
 from conftest import make_lm
 

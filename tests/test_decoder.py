@@ -1,4 +1,4 @@
-"""int8dyn's native decoder layers (engine/decoder.py, csrc/decoder.cpp): the torch layers' logits up to
+"""int8dyn's native decoder layers (engine/native_layers.py, csrc/decoder.cpp): the torch layers' logits up to
 rounding, and every row bit for bit independent of the rows fed beside it."""
 
 from __future__ import annotations
@@ -7,25 +7,25 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from mars_demo.engine import decoder, int8gemm, lean
-from mars_demo.engine.kernels import convert, token_ids
+from mars_demo.engine.backends.cpu import int8gemm, lean, native_layers
+from mars_demo.engine.backends.cpu.paths import convert, token_ids
 
 from conftest import PROMPTS, make_lm
 
-pytestmark = pytest.mark.skipif(decoder.kernel() is None, reason="no C++ compiler: the kernel cannot be built")
+pytestmark = pytest.mark.skipif(native_layers.kernel() is None, reason="no C++ compiler: the kernel cannot be built")
 
 
 def int8dyn(arch: str, native: bool, monkeypatch):
     """The tiny model on int8dyn, its lean forward on the native layers or on the torch layers."""
     if not native:
-        monkeypatch.setenv(decoder.DECODER_ENV, "0")
-    decoder.kernel.cache_clear()
+        monkeypatch.setenv(native_layers.DECODER_ENV, "0")
+    native_layers.kernel.cache_clear()
     try:
         lm = make_lm(arch)
         convert(lm.model, "int8dyn", smoothing=token_ids(lm.tokenizer, PROMPTS))
     finally:
-        monkeypatch.delenv(decoder.DECODER_ENV, raising=False)
-        decoder.kernel.cache_clear()
+        monkeypatch.delenv(native_layers.DECODER_ENV, raising=False)
+        native_layers.kernel.cache_clear()
     assert (lm.model.forward.native is not None) == native
     return lm
 

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import Detokenizer, LiveTau, collect, eos_ids, generate, stream
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.engine.reference import reference_decode
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import Detokenizer, LiveTau, collect, eos_ids, generate, stream
+from tests.reference import reference_decode
 
 from conftest import PROMPTS
 

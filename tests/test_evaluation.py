@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mars_demo.cli import main
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.metrics import common_prefix, prefix_agreement
-from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.metrics import common_prefix, prefix_agreement
 from mars_demo.research.evaluation import (
     Decoded,
     EvalConfig,

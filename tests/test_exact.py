@@ -14,12 +14,12 @@ import re
 import pytest
 import torch
 
-from mars_demo.engine import exact
-from mars_demo.engine.batching import collect_batch, stream_batch
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import LiveTau, collect, decode_passes, eos_ids, generate, stream
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.engine.reference import reference_exact
+from mars_demo.engine.decoding import exact
+from mars_demo.engine.decoding.batch import collect_batch, stream_batch
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import LiveTau, collect, decode_passes, eos_ids, generate, stream
+from tests.reference import reference_exact
 
 from conftest import PROMPTS, make_lm
 
@@ -222,7 +222,7 @@ def test_draft_depth_follows_the_cost_curve_and_the_drafts_held():
 
 
 def test_exact_on_a_linear_curve_feeds_one_token_passes_and_stays_exact(lm, monkeypatch):
-    from mars_demo.engine.kernels import ComputePath
+    from mars_demo.engine.backends.cpu.paths import ComputePath
 
     widths = []
     hook = lm.model.register_forward_pre_hook(

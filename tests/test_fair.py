@@ -21,11 +21,11 @@ import pytest
 from test_hosting import API, free_port
 
 import app
-from mars_demo.engine import hub
-from mars_demo.engine.hub import HubUnreachable, check_hub
-from mars_demo.engine.kernels import ComputePath
-from mars_demo.engine.loading import BUNDLED
-from mars_demo.engine.memory import GB, ModelTooLarge
+from mars_demo.engine.backends.cpu.paths import ComputePath
+from mars_demo.engine.checkpoints import hub
+from mars_demo.engine.checkpoints.hub import HubUnreachable, check_hub
+from mars_demo.engine.checkpoints.loading import BUNDLED
+from mars_demo.engine.checkpoints.memory import GB, ModelTooLarge
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import RACE_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.hosting import SETTINGS, DecodeSlot, Limits
@@ -424,11 +424,11 @@ def test_messages_name_no_host_facts(tiny_qwen, tmp_path):
 
 
 def test_a_live_request_leaves_the_batch_at_the_budget(tiny_qwen, tmp_path, monkeypatch):
-    from mars_demo.engine.live import SharedBatches
-    from mars_demo.engine.serving import ServeConfig
-    from mars_demo.ui.live import LIVE_OUTPUTS, LiveHandlers, LiveState
+    from mars_demo.engine.serving.loop import ServeConfig
+    from mars_demo.engine.serving.shared import SharedBatches
+    from mars_demo.ui.live_tab import LIVE_OUTPUTS, LiveHandlers, LiveState
 
-    monkeypatch.setattr("mars_demo.ui.live.time", Clock())  # every reading a second later: over 3 s at once
+    monkeypatch.setattr("mars_demo.ui.live_tab.time", Clock())  # every reading a second later: over 3 s at once
     demo = handlers_for(tiny_qwen, tmp_path, limits=Limits(run_seconds=3))
     batches = SharedBatches(ServeConfig(max_batch=2, max_new_tokens=400), max_queue=1, idle=5.0, pace=0.02)
     live = LiveHandlers(demo, batches, chart_every=0.0, poll=0.05)
@@ -440,7 +440,7 @@ def test_a_live_request_leaves_the_batch_at_the_budget(tiny_qwen, tmp_path, monk
 
 
 def test_a_cancelled_serving_run_ends_within_one_pass_and_frees_the_slot(tiny_qwen, tmp_path, passes):
-    from mars_demo.ui.serving import ServingHandlers, ServingState
+    from mars_demo.ui.serving_tab import ServingHandlers, ServingState
 
     serving = ServingHandlers(handlers_for(tiny_qwen, tmp_path), chart_every=60.0)
     run = serving.run("poisson", 20.0, ["fixed:1.0", "fixed:0.9"], "", 12, 60, 2, 64, BUNDLED, ServingState())

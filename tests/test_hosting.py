@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import app
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
+from mars_demo.engine.checkpoints.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
+from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 from mars_demo.ui.handlers import BUSY, MODEL_OUTPUTS, RACE_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.messages import error, for_client, is_api, sentence

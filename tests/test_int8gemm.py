@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from mars_demo.engine import acceptance, decoder, int8gemm, kernels, native, rowattn
-from mars_demo.engine.kernels import DYN_WEIGHT_QMAX, RowInt8Linear
+from mars_demo.engine.backends.cpu import int8gemm, native, native_layers, paths, rowattn
+from mars_demo.engine.backends.cpu.quant import DYN_WEIGHT_QMAX, RowInt8Linear
+from mars_demo.engine.decoding import acceptance
 
 from conftest import make_lm
 
@@ -133,7 +134,7 @@ def test_one_token_passes_give_the_same_logits_with_the_kernel_and_with_fbgemm(t
     """
 
     def logits_token_by_token(lm) -> list[torch.Tensor]:
-        kernels.convert(lm.model, "int8dyn")
+        paths.convert(lm.model, "int8dyn")
         cache, out = DynamicCache(config=lm.model.config), []
         with torch.inference_mode():
             for token in (5, 17, 29, 3, 11, 40):
@@ -156,7 +157,7 @@ def test_one_token_passes_give_the_same_logits_with_the_kernel_and_with_fbgemm(t
 KERNELS = {  # each native kernel's cached accessor and the variable that switches it off
     "int8_linear": (int8gemm.kernel, int8gemm.INT8GEMM_ENV),
     "row_attention": (rowattn.kernel, rowattn.ROWATTN_ENV),
-    "decoder": (decoder.kernel, decoder.DECODER_ENV),
+    "decoder": (native_layers.kernel, native_layers.DECODER_ENV),
     "greedy": (acceptance.greedy_kernel, acceptance.GREEDY_ENV),
 }
 

@@ -1,4 +1,4 @@
-"""CPU compute paths (kernels.py): row-exact passes on bf16 and int8, the auto choice, the cached cost table."""
+"""CPU compute paths (paths.py): row-exact passes on bf16 and int8, the auto choice, the cached cost table."""
 
 from __future__ import annotations
 
@@ -10,24 +10,15 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from mars_demo.cli import main
-from mars_demo.engine import kernels, progress
-from mars_demo.engine.batching import collect_batch, generate_batch
-from mars_demo.engine.config import DecodeConfig, resolve_max_fed
-from mars_demo.engine.decoding import collect, generate
-from mars_demo.engine.kernels import (
-    FusedSlice,
-    Int8Linear,
-    RowInt8Linear,
-    activation_ranges,
-    cap_from_costs,
-    choose,
-    convert,
-    fold_smoothing,
-    select,
-    token_ids,
-)
-from mars_demo.engine.loading import ModelLoadError, default_precision
-from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.backends.cpu import paths
+from mars_demo.engine.backends.cpu.paths import activation_ranges, cap_from_costs, choose, convert, select, token_ids
+from mars_demo.engine.backends.cpu.quant import FusedSlice, Int8Linear, RowInt8Linear, fold_smoothing
+from mars_demo.engine.checkpoints import progress
+from mars_demo.engine.checkpoints.loading import ModelLoadError, default_precision
+from mars_demo.engine.decoding.batch import collect_batch, generate_batch
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig, resolve_max_fed
+from mars_demo.engine.decoding.loop import collect, generate
 
 from conftest import PROMPTS, make_lm
 
@@ -110,11 +101,11 @@ def test_auto_picks_the_fastest_path_that_keeps_quality():
     # one sequence: a flat curve's exact decoding beats a slightly cheaper one-token pass ...
     table["int8dyn"] = {"costs_ms": curve(22, 0.5), "dnll": 0.01}
     assert choose(table) == "int8dyn"
-    assert kernels.decode_rate(curve(22, 0.5), 4) > 1 / 20  # its exact decoding beats int8's AR
+    assert paths.decode_rate(curve(22, 0.5), 4) > 1 / 20  # its exact decoding beats int8's AR
     # ... but not a much dearer one, and AR's rate is the floor of a steep curve
     table["int8dyn"]["costs_ms"] = curve(40, 0.5)
     assert choose(table) == "int8"
-    assert kernels.decode_rate(curve(20, 30), 4) == 1 / 20
+    assert paths.decode_rate(curve(20, 30), 4) == 1 / 20
     table["int8dyn"] = {"costs_ms": curve(22, 0.5), "dnll": 0.04}
     assert choose(table) == "int8"
 
@@ -132,7 +123,7 @@ def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, m
     assert choose(table, rows=2) == "int8"  # more than 5% dearer at the batch's rows
     assert choose(table, rows=64) == "int8dyn"  # past the widest measured pass: the widest decides
 
-    monkeypatch.setattr(kernels, "survey", lambda order, *args: {p: table[p] for p in order})
+    monkeypatch.setattr(paths, "survey", lambda order, *args: {p: table[p] for p in order})
     lm = make_lm("llama")
     batch = select(lm.model, lm.tokenizer, "auto", block_size=4, table_dir=tmp_path, rows=8)
     assert batch.path == "int8dyn" and batch.rows == 8 and "for batches of 8" in batch.summary()
@@ -146,30 +137,30 @@ def test_a_curve_takes_at_least_its_rounds_and_more_while_time_is_left(monkeypat
     lm = make_lm("llama")
     passes = []
     lm.model.register_forward_pre_hook(lambda module, args: passes.append(1))
-    costs = kernels.pass_costs(lm.model, range(1, 3), context=8, reps=1, seconds=0)
+    costs = paths.pass_costs(lm.model, range(1, 3), context=8, reps=1, seconds=0)
     assert len(passes) == 1 + 2 * 3 and set(costs) == {1, 2}  # the prompt, then 2 widths x (1 + 2 warm-up) rounds
     passes.clear()
-    monkeypatch.setattr(kernels, "MAX_ROUNDS", 5)
-    kernels.pass_costs(lm.model, range(1, 3), context=8, reps=1, seconds=60)
+    monkeypatch.setattr(paths, "MAX_ROUNDS", 5)
+    paths.pass_costs(lm.model, range(1, 3), context=8, reps=1, seconds=60)
     assert len(passes) == 1 + 2 * (5 + 2)  # time was left: rounds up to the most
 
 
 def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, monkeypatch):
     calls = []
-    real = kernels.pass_costs
+    real = paths.pass_costs
 
     def counting(model, widths, **kwargs):
         calls.append(widths)
         return real(model, widths, reps=1, seconds=0)
 
-    monkeypatch.setattr(kernels, "pass_costs", counting)
+    monkeypatch.setattr(paths, "pass_costs", counting)
     lm = make_lm("llama")
     first = select(lm.model, lm.tokenizer, "auto", block_size=4, table_dir=tmp_path)
     full = [w for w in calls if len(w) > 1]
-    assert full[0] == range(1, 9) and len(calls) >= len(kernels.PATHS)  # each path measured or probed
-    assert not first.cached and first.path in kernels.PATHS and set(first.candidates) == set(kernels.PATHS)
+    assert full[0] == range(1, 9) and len(calls) >= len(paths.PATHS)  # each path measured or probed
+    assert not first.cached and first.path in paths.PATHS and set(first.candidates) == set(paths.PATHS)
     assert first.max_fed == cap_from_costs(first.costs_ms) and "dnll" in first.candidates[first.path]
-    table = json.loads((tmp_path / kernels.TABLE_FILE).read_text())
+    table = json.loads((tmp_path / paths.TABLE_FILE).read_text())
     assert len(table) == 1 and "threads=" in next(iter(table))
 
     measured = len(calls)
@@ -182,16 +173,16 @@ def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, mon
         assert torch.equal(lm.model(input_ids=torch.tensor(prompt)).logits,
                            again.model(input_ids=torch.tensor(prompt)).logits)
 
-    monkeypatch.setattr(kernels, "cpu_model", lambda: "another CPU")
+    monkeypatch.setattr(paths, "cpu_model", lambda: "another CPU")
     third = make_lm("llama")
     select(third.model, third.tokenizer, "auto", block_size=4, table_dir=tmp_path)
-    assert len(calls) > measured and len(json.loads((tmp_path / kernels.TABLE_FILE).read_text())) == 2
+    assert len(calls) > measured and len(json.loads((tmp_path / paths.TABLE_FILE).read_text())) == 2
 
 
 def fake_curves(rng: random.Random) -> dict[str, dict]:
     """Every path's whole curve (growing with width, as passes do) and dnll, drawn at random."""
     found = {}
-    for path in kernels.PATHS:
+    for path in paths.PATHS:
         one, costs = rng.uniform(2, 100), {}
         for width in range(1, 9):
             one += rng.choice([0, 0, rng.uniform(0, 8)])
@@ -210,8 +201,8 @@ def test_the_survey_chooses_as_measuring_every_path_would(seed):
         (probed if len(widths) == 1 else measured).append(path)
         return {w: truth[path]["costs_ms"][w] for w in widths}
 
-    found = kernels.survey(kernels.SURVEY_ORDER, range(1, 9), curve_of, lambda path: truth[path]["dnll"])
-    assert set(found) == set(kernels.PATHS) and measured[0] == kernels.SURVEY_ORDER[0]
+    found = paths.survey(paths.SURVEY_ORDER, range(1, 9), curve_of, lambda path: truth[path]["dnll"])
+    assert set(found) == set(paths.PATHS) and measured[0] == paths.SURVEY_ORDER[0]
     for rows in (1, 2, 4, 8, 16):
         assert choose(found, rows=rows) == choose(truth, rows=rows), rows
     for path in found:
@@ -226,27 +217,27 @@ def test_the_survey_measures_one_curve_where_the_likely_winner_dominates():
         "fp32": {"costs_ms": curve(50, 8), "dnll": 0.0},
     }
     widths = []
-    found = kernels.survey(kernels.SURVEY_ORDER, range(1, 9), lambda p, w: widths.append((p, len(w))) or
+    found = paths.survey(paths.SURVEY_ORDER, range(1, 9), lambda p, w: widths.append((p, len(w))) or
                            {x: truth[p]["costs_ms"][x] for x in w}, lambda p: truth[p]["dnll"])
     assert widths == [("int8dyn", 8), ("int8", 1), ("bf16", 1), ("fp32", 1)]
     assert choose(found) == "int8dyn" and all(found[p]["pruned"] for p in ("int8", "bf16", "fp32"))
     truth["int8dyn"]["dnll"] = 0.2  # the winner fails the quality check: nothing is pruned against it
     widths.clear()
-    found = kernels.survey(kernels.SURVEY_ORDER, range(1, 9), lambda p, w: widths.append((p, len(w))) or
+    found = paths.survey(paths.SURVEY_ORDER, range(1, 9), lambda p, w: widths.append((p, len(w))) or
                            {x: truth[p]["costs_ms"][x] for x in w}, lambda p: truth[p]["dnll"])
     assert widths[:2] == [("int8dyn", 8), ("int8", 8)] and choose(found) == "int8"
 
 
 def test_the_survey_reports_its_stages_and_the_calibration_is_cached(tmp_path, monkeypatch):
     stages, ranges = [], []
-    real = kernels.activation_ranges
-    monkeypatch.setattr(kernels, "activation_ranges", lambda *args: ranges.append(1) or real(*args))
+    real = paths.activation_ranges
+    monkeypatch.setattr(paths, "activation_ranges", lambda *args: ranges.append(1) or real(*args))
     lm = make_lm("qwen2")
     with progress.listening(stages.append):
         select(lm.model, lm.tokenizer, "auto", block_size=2, table_dir=tmp_path)
     assert any(s.startswith("measuring int8dyn (compute path 1 of 4)") for s in stages) and len(ranges) == 1
     assert stages[-1].startswith("putting the model on")
-    (tmp_path / kernels.TABLE_FILE).unlink()  # measured again, calibrated from the cache
+    (tmp_path / paths.TABLE_FILE).unlink()  # measured again, calibrated from the cache
     again = make_lm("qwen2")
     select(again.model, again.tokenizer, "auto", block_size=2, table_dir=tmp_path)
     assert len(ranges) == 1
@@ -269,13 +260,13 @@ def test_bad_precision_is_one_line_and_exit_2(capsys, monkeypatch):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "precision" in err
-    monkeypatch.setenv(kernels.PRECISION_ENV, "fp16")
+    monkeypatch.setenv(paths.PRECISION_ENV, "fp16")
     with pytest.raises(ModelLoadError, match="MARS_DEMO_PRECISION"):
         default_precision()
-    monkeypatch.setenv(kernels.PRECISION_ENV, "int8")
+    monkeypatch.setenv(paths.PRECISION_ENV, "int8")
     assert default_precision() == "int8"
     with pytest.raises(ValueError, match="precision must be one of"):
-        kernels.check_precision("fast")
+        paths.check_precision("fast")
 
 
 def test_row_int8_linear_keeps_each_rows_output_whatever_rows_come_with_it():
@@ -385,7 +376,7 @@ def test_int8dyn_prefill_rows_do_not_depend_on_the_masks_fed_after_them():
 
 
 def test_the_summary_shows_short_passes_to_a_tenth_of_a_ms():
-    line = kernels.ComputePath("int8dyn", "auto", costs_ms={1: 5.38, 4: 6.19, 8: 43.55}, max_fed=3).summary()
+    line = paths.ComputePath("int8dyn", "auto", costs_ms={1: 5.38, 4: 6.19, 8: 43.55}, max_fed=3).summary()
     assert line == "int8dyn (auto), up to 3 tokens fed per pass; ms per pass by tokens fed 1:5.4 4:6.2 8:44"
-    one = kernels.ComputePath("int8dyn", "auto", costs_ms={1: 5.38}, max_fed=3, threads=1).summary()
+    one = paths.ComputePath("int8dyn", "auto", costs_ms={1: 5.38}, max_fed=3, threads=1).summary()
     assert one.endswith("1:5.4 on 1 thread")

@@ -10,10 +10,11 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from mars_demo.engine import exact, lean
-from mars_demo.engine.kernels import convert, token_ids
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.research.bench import profile_passes
+from mars_demo.engine.backends.cpu import lean
+from mars_demo.engine.backends.cpu.paths import convert, token_ids
+from mars_demo.engine.decoding import exact
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.research.benchmark import profile_passes
 
 from conftest import PROMPTS, make_lm
 

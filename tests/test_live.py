@@ -11,10 +11,10 @@ import pytest
 import torch
 from test_serving import NEW, TEXTS, alone, alone_at
 
-from mars_demo.engine.live import Busy, SharedBatch, SharedBatches
-from mars_demo.engine.loading import BUNDLED, load_for_decoding
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.engine.serving import Ladder, Load, ServeConfig, parse_policy
+from mars_demo.engine.checkpoints.loading import BUNDLED, load_for_decoding
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.serving.loop import Ladder, Load, ServeConfig, parse_policy
+from mars_demo.engine.serving.shared import Busy, SharedBatch, SharedBatches
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 
 WAIT = 60.0  # most seconds a test waits for one update (a stuck worker fails the test instead of hanging it)

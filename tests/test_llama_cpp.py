@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from mars_demo.research import bench, llama_cpp
-from mars_demo.research.bench import BenchConfig, plan, run_benchmark
+from mars_demo.research import benchmark, llama_cpp
+from mars_demo.research.benchmark import BenchConfig, plan, run_benchmark
 
 from conftest import PROMPTS
 
@@ -24,7 +24,7 @@ def test_the_methods_are_known_planned_at_batch_one_and_never_run_by_default():
 def test_a_model_llama_cpp_cannot_run_gets_one_line_and_the_other_methods_run(tiny_llama, caplog):
     config = BenchConfig(taus=(1.0,), batch_sizes=(1,), methods=("ar", "llama_cpp"), max_new_tokens=6,
                          warmup_tokens=2)
-    with caplog.at_level(logging.WARNING, logger=bench.__name__):
+    with caplog.at_level(logging.WARNING, logger=benchmark.__name__):
         report = run_benchmark(tiny_llama, PROMPTS[:2], config, progress=False)
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and "llama_cpp methods are skipped" in lines[0] and "tiny-llama" in lines[0]
@@ -34,7 +34,7 @@ def test_a_model_llama_cpp_cannot_run_gets_one_line_and_the_other_methods_run(ti
 @pytest.fixture(scope="module")
 def q8(tmp_path_factory):
     pytest.importorskip("llama_cpp")
-    from mars_demo.engine.loading import gguf_path
+    from mars_demo.engine.checkpoints.loading import gguf_path
 
     try:
         source = gguf_path()

@@ -7,10 +7,16 @@ import json
 import pytest
 import torch
 
-from mars_demo.engine import acceptance
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import collect, generate
-from mars_demo.engine.loading import MarsMeta, ModelLoadError, block_size_from_name, choose_mask_token, load_model
+from mars_demo.engine.checkpoints.loading import (
+    MarsMeta,
+    ModelLoadError,
+    block_size_from_name,
+    choose_mask_token,
+    load_model,
+)
+from mars_demo.engine.decoding import acceptance
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import collect, generate
 
 from conftest import PROMPTS, make_lm
 

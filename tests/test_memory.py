@@ -7,9 +7,9 @@ import json
 import gradio as gr
 import pytest
 
-from mars_demo.engine import memory
-from mars_demo.engine.loading import BUNDLED, RELEASED
-from mars_demo.engine.memory import (
+from mars_demo.engine.checkpoints import memory
+from mars_demo.engine.checkpoints.loading import BUNDLED, RELEASED
+from mars_demo.engine.checkpoints.memory import (
     ModelTooLarge,
     available_bytes,
     check_fits,
@@ -76,7 +76,7 @@ def test_check_fits_against_a_patched_limit(tiny_llama, tmp_path, monkeypatch):
 
 
 def test_every_compute_path_has_its_own_measured_load_factor():
-    from mars_demo.engine.kernels import PRECISIONS
+    from mars_demo.engine.backends.cpu.paths import PRECISIONS
 
     assert set(memory.LOAD_FACTORS) == set(PRECISIONS)  # no path falls back to the largest unmeasured
     params = 134_515_008

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from mars_demo.engine.batching.events import BatchStats
-from mars_demo.engine.commit import commit_tokens, cut_at_stop_string
-from mars_demo.engine.decoding import RunStats
-from mars_demo.engine.metrics import (
+from mars_demo.engine.decoding.batch.events import BatchStats
+from mars_demo.engine.decoding.chat import pad_id
+from mars_demo.engine.decoding.commit import commit_tokens, cut_at_stop_string
+from mars_demo.engine.decoding.loop import RunStats
+from mars_demo.engine.decoding.metrics import (
     Rates,
     agreement,
     delta_nll_key,
@@ -18,7 +19,6 @@ from mars_demo.engine.metrics import (
     prefix_agreement,
     speedup,
 )
-from mars_demo.engine.prompts import pad_id
 from mars_demo.research.tables import text_table
 
 

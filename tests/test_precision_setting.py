@@ -8,18 +8,18 @@ import dataclasses
 import gradio as gr
 import pytest
 
-from mars_demo.engine import memory
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import generate
-from mars_demo.engine.kernels import PRECISION_ENV, PRECISIONS, ComputePath, check_precision, convert
-from mars_demo.engine.live import SharedBatches
-from mars_demo.engine.loading import BUNDLED
-from mars_demo.engine.serving import ServeConfig
+from mars_demo.engine.backends.cpu.paths import PRECISION_ENV, PRECISIONS, ComputePath, check_precision, convert
+from mars_demo.engine.checkpoints import memory
+from mars_demo.engine.checkpoints.loading import BUNDLED
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import generate
+from mars_demo.engine.serving.loop import ServeConfig
+from mars_demo.engine.serving.shared import SharedBatches
 from mars_demo.ui.handlers import MODEL_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
-from mars_demo.ui.live import LIVE_OUTPUTS, LiveHandlers, LiveState
+from mars_demo.ui.live_tab import LIVE_OUTPUTS, LiveHandlers, LiveState
 from mars_demo.ui.models import ModelCache, ModelPolicy, default_compute_path, model_choices
 from mars_demo.ui.race import Session
-from mars_demo.ui.serving import ServingHandlers, ServingState
+from mars_demo.ui.serving_tab import ServingHandlers, ServingState
 
 from conftest import make_lm
 

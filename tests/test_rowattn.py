@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mars_demo.engine import exact, kernels, native, rowattn
+from mars_demo.engine.backends.cpu import native, paths, rowattn
+from mars_demo.engine.decoding import exact
 
 from conftest import PROMPTS, make_lm
 
@@ -154,7 +155,7 @@ def test_the_int8_paths_decode_the_same_with_and_without_the_kernel_up_to_roundi
     On the torch layers: the native decoder layers call the attention from C (test_decoder.py).
     """
     lm = make_lm(arch)
-    kernels.convert(lm.model, "int8dyn")
+    paths.convert(lm.model, "int8dyn")
     ids = torch.tensor([lm.tokenizer(PROMPTS[0]).input_ids])
     calls = []
     real = rowattn.attend

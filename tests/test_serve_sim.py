@@ -7,12 +7,12 @@ import json
 import pytest
 
 from mars_demo.cli import main
-from mars_demo.engine import kernels
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.engine.replay import BURST, SimConfig, arrival_times, make_requests, percentile
-from mars_demo.engine.width import Surface
-from mars_demo.research.serve_report import format_totals, to_html
-from mars_demo.research.serve_sim import clock_surface, model_cost, simulate
+from mars_demo.engine.backends.cpu import paths
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.width import Surface
+from mars_demo.engine.serving.replay import BURST, SimConfig, arrival_times, make_requests, percentile
+from mars_demo.research.simulation import clock_surface, model_cost, simulate
+from mars_demo.research.simulation_report import format_totals, to_html
 from mars_demo.ui.charts import rolling_throughput, serving_figures
 
 from conftest import PROMPTS
@@ -87,7 +87,7 @@ def test_auto_chooses_the_path_for_the_batch_it_serves(model_dir, tmp_path, monk
         "fp32": {"costs_ms": {1: 60, 2: 100}, "dnll": 0.0}, "bf16": {"costs_ms": {1: 38, 2: 53}, "dnll": 0.0},
         "int8": {"costs_ms": {1: 25, 2: 33}, "dnll": 0.0}, "int8dyn": {"costs_ms": {1: 27, 2: 29}, "dnll": 0.0},
     }
-    monkeypatch.setattr(kernels, "survey", lambda order, *args: {p: table[p] for p in order})
+    monkeypatch.setattr(paths, "survey", lambda order, *args: {p: table[p] for p in order})
     monkeypatch.setenv("MARS_DEMO_CACHE", str(tmp_path / "cache"))
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps(PROMPTS))

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mars_demo.engine.batching.token import TokenBatch
-from mars_demo.engine.decoding import LiveTau, decode_passes, eos_ids
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.engine.serving import (
+from mars_demo.engine.decoding.batch.token import TokenBatch
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.loop import LiveTau, decode_passes, eos_ids
+from mars_demo.engine.decoding.width import WidthController
+from mars_demo.engine.serving.loop import (
     DEFAULT_LADDER,
     ENDINGS,
     Fixed,
@@ -22,7 +23,6 @@ from mars_demo.engine.serving import (
     parse_policy,
     split_policies,
 )
-from mars_demo.engine.width import WidthController
 
 from conftest import PROMPTS
 

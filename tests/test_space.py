@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import SpaceCard
 
-from mars_demo.engine import loading
+from mars_demo.engine.checkpoints import loading
 from mars_demo.ui import zerogpu
 from mars_demo.ui.race import RaceTrace, Session
 
@@ -212,7 +212,7 @@ def test_zero_gpu_is_read_from_the_environment():
 
 def test_a_session_with_a_trace_pickles():
     """ZeroGPU pickles a GPU handler's arguments into its worker process."""
-    from mars_demo.engine.config import DecodeConfig
+    from mars_demo.engine.decoding.config import DecodeConfig
 
     session = Session()
     session.trace = RaceTrace(prompt="p", model="m", config=DecodeConfig())

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mars_demo.engine import native, progress
-from mars_demo.engine.loading import BUNDLED, ModelLoadError
+from mars_demo.engine.backends.cpu import native
+from mars_demo.engine.checkpoints import progress
+from mars_demo.engine.checkpoints.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import MODEL_OUTPUTS, DemoHandlers, named
 from mars_demo.ui.loading import staged_load
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
@@ -64,7 +65,7 @@ def test_kernels_prebuild_in_the_background_into_the_cache(tmp_path, monkeypatch
 
 
 def test_the_int8_linear_comes_from_the_decoder_library_that_includes_it(monkeypatch):
-    from mars_demo.engine import int8gemm
+    from mars_demo.engine.backends.cpu import int8gemm
 
     if native.compiler() is None:
         pytest.skip("no C++ compiler")

@@ -14,11 +14,12 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mars_demo import cli
-from mars_demo.engine import kernels, loading
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import collect, stream
-from mars_demo.engine.loading import load_model
-from mars_demo.engine.prompts import prompt_ids
+from mars_demo.engine.backends.cpu import paths
+from mars_demo.engine.checkpoints import loading
+from mars_demo.engine.checkpoints.loading import load_model
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import collect, stream
 from mars_demo.research.training import (
     Example,
     TrainConfig,
@@ -491,7 +492,7 @@ def test_the_first_bundled_load_and_later_ones_share_one_compute_table_entry(tmp
     assert (loading.merged_bundled_dir() / "model.safetensors").is_file() and not first.compute.cached
     again = load_model(precision="fp32")  # from the merged copy: the table measured by the first load
     assert again.compute.cached and again.compute.costs_ms == first.compute.costs_ms
-    assert len(json.loads((tmp_path / "cache" / kernels.TABLE_FILE).read_text())) == 1
+    assert len(json.loads((tmp_path / "cache" / paths.TABLE_FILE).read_text())) == 1
 
 
 def test_init_adapter_starts_from_its_weights(tmp_path, base_dir):

@@ -15,12 +15,12 @@ import math
 
 import pytest
 
-from mars_demo.engine.batching import collect_batch, decode_batch, stream_batch
-from mars_demo.engine.config import DecodeConfig
-from mars_demo.engine.decoding import LiveTau, eos_ids
-from mars_demo.engine.prompts import prompt_ids
-from mars_demo.engine.serving import Load, Request, ServeConfig, ServingLoop, parse_policy
-from mars_demo.engine.width import Hits, Surface, WidthController, affordable_rate, cached_surface, measure
+from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_batch
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.loop import LiveTau, eos_ids
+from mars_demo.engine.decoding.width import Hits, Surface, WidthController, affordable_rate, cached_surface, measure
+from mars_demo.engine.serving.loop import Load, Request, ServeConfig, ServingLoop, parse_policy
 
 from conftest import PROMPTS
 
@@ -241,8 +241,8 @@ def test_rows_that_join_a_priced_batch_decode_as_alone_at_their_widths(tiny_llam
 
 
 def test_single_sequence_mars_prices_its_width_on_the_measured_curve(tiny_llama, monkeypatch):
-    from mars_demo.engine.decoding import collect, generate
-    from mars_demo.engine.kernels import ComputePath
+    from mars_demo.engine.backends.cpu.paths import ComputePath
+    from mars_demo.engine.decoding.loop import collect, generate
     from mars_demo.ui.charts import width_text
 
     config = DecodeConfig(tau=0.0, block_size=4, max_new_tokens=NEW)
@@ -257,7 +257,7 @@ def test_single_sequence_mars_prices_its_width_on_the_measured_curve(tiny_llama,
 
 
 def test_a_measured_point_above_a_larger_pass_is_bounded_by_it():
-    from mars_demo.engine.width import monotone
+    from mars_demo.engine.decoding.width import monotone
 
     noisy = [[3.9, 3.9, 4.1], [10.0, 7.5, 9.3]]  # 2 rows x 1 token measured during a burst of other load
     assert monotone(noisy) == [[3.9, 3.9, 4.1], [7.5, 7.5, 9.3]]

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, max_fed_text
-from ..engine.compiled import enable_compiled_decoding
-from ..engine.loading import default_precision, load_model
-from ..research.bench import KNOWN, METHODS, BenchConfig, run_benchmark
-from ..research.data import read_prompts
+from ..engine.backends.compiled import enable_compiled_decoding
+from ..engine.checkpoints.loading import default_precision, load_model
+from ..research.benchmark import KNOWN, METHODS, BenchConfig, run_benchmark
+from ..research.distillation import read_prompts
 
 HELP = "benchmark HF generate, our AR, MARS, batch decoding and prompt lookup: speed and quality"
 DEFAULTS = BenchConfig()
@@ -94,10 +94,7 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..research.report import (  # plotly: the other commands run without it (a bare GPU box)
-        format_table,
-        write_report,
-    )
+    from ..research.report import format_table, write_report
 
     config = parse_config(args)  # every value checked before the model loads
     if not args.prompts.is_file():

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from ..cli import UserError
-from ..engine.loading import BUNDLED_BASE, load_model
-from ..research.data import distill, read_jsonl, sample_prompts
+from ..engine.checkpoints.loading import BUNDLED_BASE, load_model
+from ..research.distillation import distill, read_jsonl, sample_prompts
 
 HELP = "sample prompts and distil the base model's answers, chunk by chunk (resumable)"
 

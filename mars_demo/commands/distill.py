@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..cli import UserError
-from ..engine.loading import BUNDLED_BASE, load_model
-from ..research.data import distill, read_prompts
+from ..engine.checkpoints.loading import BUNDLED_BASE, load_model
+from ..research.distillation import distill, read_prompts
 
 HELP = "write the base model's greedy answers to prompts as JSONL training data (resumable)"
 

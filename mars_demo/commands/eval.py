@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument
-from ..engine.loading import BUNDLED_BASE, default_precision, load_model
-from ..research.data import read_prompts
+from ..engine.checkpoints.loading import BUNDLED_BASE, default_precision, load_model
+from ..research.distillation import read_prompts
 from ..research.evaluation import DEFAULT_TAUS, EvalConfig, evaluate
 from ..research.tables import text_table
 

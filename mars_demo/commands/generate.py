@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument
-from ..engine.config import METRICS, MODES, DecodeConfig
-from ..engine.decoding import Generation, collect, generate
-from ..engine.kernels import ComputePath
-from ..engine.loading import default_precision, load_model
-from ..research.data import read_prompts
+from ..engine.backends.cpu.paths import ComputePath
+from ..engine.checkpoints.loading import default_precision, load_model
+from ..engine.decoding.config import METRICS, MODES, DecodeConfig
+from ..engine.decoding.loop import Generation, collect, generate
+from ..research.distillation import read_prompts
 
 HELP = "generate text with MARS (or the AR baseline) and show what each forward pass accepted"
 DEFAULTS = DecodeConfig()

@@ -8,8 +8,8 @@ import random
 from pathlib import Path
 
 from ..cli import UserError
-from ..engine.loading import BUNDLED_BASE, load_model
-from ..research.data import sample_prompts
+from ..engine.checkpoints.loading import BUNDLED_BASE, load_model
+from ..research.distillation import sample_prompts
 
 HELP = "sample prompts written by the model itself into DIR/train.json and DIR/heldout.json"
 

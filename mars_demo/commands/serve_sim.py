@@ -16,14 +16,14 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..cli import UserError, add_model_argument, add_precision_argument
-from ..engine.config import VERIFYING_MODES
-from ..engine.loading import BUNDLED_BASE, default_precision, load_model
-from ..engine.prompts import prompt_ids
-from ..engine.replay import ARRIVALS, LIMITS, SimConfig
-from ..engine.serving import DEFAULT_LADDER, POLICY_HELP, split_policies
-from ..engine.width import surface_for
-from ..research.data import read_prompts
-from ..research.serve_sim import CLOCKS, clock_surface, model_cost, simulate
+from ..engine.checkpoints.loading import BUNDLED_BASE, default_precision, load_model
+from ..engine.decoding.chat import prompt_ids
+from ..engine.decoding.config import VERIFYING_MODES
+from ..engine.decoding.width import surface_for
+from ..engine.serving.loop import DEFAULT_LADDER, POLICY_HELP, split_policies
+from ..engine.serving.replay import ARRIVALS, LIMITS, SimConfig
+from ..research.distillation import read_prompts
+from ..research.simulation import CLOCKS, clock_surface, model_cost, simulate
 
 HELP = "simulate serving: seeded arrivals, continuous batching, tau policies compared (latency, throughput, quality)"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_varied32.json"
@@ -86,8 +86,8 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..research.bench import machine
-    from ..research.serve_report import format_totals, write_report  # plotly: only this command needs it
+    from ..research.benchmark import machine
+    from ..research.simulation_report import format_totals, write_report  # plotly: only this command needs it
     from ..ui.charts import serving_figures, surface_heatmap
 
     config = parse_config(args)  # every value checked before the model loads

@@ -8,8 +8,8 @@ import warnings
 from pathlib import Path
 
 from ..cli import UserError
-from ..engine.loading import BUNDLED_BASE, load_model
-from ..research.data import read_jsonl
+from ..engine.checkpoints.loading import BUNDLED_BASE, load_model
+from ..research.distillation import read_jsonl
 from ..research.evaluation import NGRAM, repetition
 from ..research.training import OBJECTIVES, Example, TrainConfig, load_examples, train
 

@@ -17,9 +17,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..cli import UserError, add_model_argument, add_precision_argument
-from ..engine.config import check_tau
-from ..engine.loading import load_model
-from ..engine.prompts import pad_id
+from ..engine.checkpoints.loading import load_model
+from ..engine.decoding.chat import pad_id
+from ..engine.decoding.config import check_tau
 from ..research.tables import text_table
 from ..research.training import TrainConfig, validate
 from .eval import parse_taus

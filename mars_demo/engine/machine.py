@@ -6,6 +6,8 @@ import os
 import platform
 from pathlib import Path
 
+ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the repository's assets/: shipped data and model files
+
 
 def cache_dir() -> Path:
     """Where converted weights, cost tables and built kernels live (``MARS_DEMO_CACHE`` overrides)."""

@@ -33,12 +33,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..engine.config import DecodeConfig, check_tau, resolve_max_fed
-from ..engine.decoding import collect, stream_ids
-from ..engine.loading import LoadedModel
-from ..engine.metrics import REFERENCE_TAU, Rates, agreement, exact_match, prefix_agreement, speedup
-from ..engine.metrics import pooled_nll as pooled
-from ..engine.prompts import prompt_ids
+from ..engine.checkpoints.loading import LoadedModel
+from ..engine.decoding.chat import prompt_ids
+from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
+from ..engine.decoding.loop import collect, stream_ids
+from ..engine.decoding.metrics import REFERENCE_TAU, Rates, agreement, exact_match, prefix_agreement, speedup
+from ..engine.decoding.metrics import pooled_nll as pooled
 
 logger = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ..engine.config import DecodeConfig
-from ..engine.decoding import eos_ids
-from ..engine.loading import BUNDLED, BUNDLED_BASE, LoadedModel, gguf_path, load_model
+from ..engine.checkpoints.loading import BUNDLED, BUNDLED_BASE, LoadedModel, gguf_path, load_model
+from ..engine.decoding.config import DecodeConfig
+from ..engine.decoding.loop import eos_ids
+from ..engine.decoding.metrics import agreement
 from ..engine.machine import cache_dir
-from ..engine.metrics import agreement
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def decode(llm, ids: list[int], max_new: int, stop: set[int]) -> tuple[list[int]
 
 def run(lm: LoadedModel, method: str, prompts: list[list[int]], max_new: int, tick=lambda n: None):
     """``method`` over ``prompts`` (token ids): an ``Outcome`` as bench's other runners return."""
-    from .bench import Outcome  # bench imports this module lazily, in its runner
+    from .benchmark import Outcome  # bench imports this module lazily, in its runner
 
     llm = runner(method, torch.get_num_threads())
     stop = eos_ids(lm.model, lm.tokenizer)
@@ -137,7 +137,7 @@ def fp32_agreement(lm: LoadedModel, prompts: list[list[int]], max_new: int, runs
 
     ``outputs``: each run's outputs, by (method, tau) as in ``runs``.
     """
-    from .bench import run_single
+    from .benchmark import run_single
 
     reference = load_model(lm.name, precision="fp32", block_size=lm.meta.block_size)
     config = DecodeConfig(mode="ar", max_new_tokens=max_new)

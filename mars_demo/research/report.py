@@ -13,7 +13,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from .bench import TAU_METHODS
+from .benchmark import TAU_METHODS
 from .tables import cell, text_table
 
 COLUMNS = (  # (key, header, format)

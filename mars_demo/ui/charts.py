@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..engine.decoding import StepEvent
-from ..engine.metrics import Rates, common_prefix, speedup
+from ..engine.decoding.loop import StepEvent
+from ..engine.decoding.metrics import Rates, common_prefix, speedup
 
 if TYPE_CHECKING:
-    from ..engine.width import Surface
+    from ..engine.decoding.width import Surface
     from .sweep import FrontierPoint
 
 MARS_COLOR = "#4f46e5"

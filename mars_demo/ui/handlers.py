@@ -31,12 +31,12 @@ from pathlib import Path
 import gradio as gr
 import torch
 
-from ..engine.config import METRICS, MODES, RANGES, DecodeConfig
-from ..engine.decoding import StepEvent, generate
-from ..engine.hub import HubUnreachable, check_hub
-from ..engine.kernels import check_precision
-from ..engine.loading import load_for_decoding
-from ..engine.memory import ModelTooLarge, check_fits, trim_heap
+from ..engine.backends.cpu.paths import check_precision
+from ..engine.checkpoints.hub import HubUnreachable, check_hub
+from ..engine.checkpoints.loading import load_for_decoding
+from ..engine.checkpoints.memory import ModelTooLarge, check_fits, trim_heap
+from ..engine.decoding.config import METRICS, MODES, RANGES, DecodeConfig
+from ..engine.decoding.loop import StepEvent, generate
 from . import charts
 from .hosting import DecodeSlot, Limits, SlotBusy
 from .loading import staged_load

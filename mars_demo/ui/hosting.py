@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from ..engine.config import RANGES
+from ..engine.decoding.config import RANGES
 from .models import is_hosted
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.kernels import PRECISION_ENV, PRECISIONS, check_precision
-from ..engine.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
+from ..engine.backends.cpu.paths import PRECISION_ENV, PRECISIONS, check_precision
+from ..engine.checkpoints.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
 
 logger = logging.getLogger(__name__)
 

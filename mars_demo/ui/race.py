@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..engine.config import DecodeConfig
-from ..engine.decoding import LiveTau, StepEvent
-from ..engine.loading import BUNDLED
-from ..engine.metrics import Rates, speedup
+from ..engine.checkpoints.loading import BUNDLED
+from ..engine.decoding.config import DecodeConfig
+from ..engine.decoding.loop import LiveTau, StepEvent
+from ..engine.decoding.metrics import Rates, speedup
 
 SIDES = ("mars", "ar")
 # The app's default for LaneCadence: a view per quarter second of each side's own decoding, about

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from html import escape
 
-from ..engine.decoding import StepEvent
-from ..engine.exact import AR, DRAFT, MASK
-from ..engine.metrics import Rates
+from ..engine.decoding.exact import AR, DRAFT, MASK
+from ..engine.decoding.loop import StepEvent
+from ..engine.decoding.metrics import Rates
 from .charts import PASS_COLORS
 
 SHADES = 4  # passes accepting 1, 2, 3, 4+ tokens get deeper shades

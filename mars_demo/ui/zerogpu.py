@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..engine.loading import LoadedModel, default_precision, load_model
+from ..engine.checkpoints.loading import LoadedModel, default_precision, load_model
 
 logger = logging.getLogger(__name__)
 

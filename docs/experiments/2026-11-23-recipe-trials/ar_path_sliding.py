@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mars_demo.engine.loading import load_model
+from mars_demo.engine.checkpoints.loading import load_model
 
 BLOCK = 4
 rows = [json.loads(line) for line in Path("assets/data/heldout_val64.jsonl").read_text().splitlines()]

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 from .checkpoints import attach_lora, load_trainable_state, save_model, trainable_state
-from .config import LORA_TARGETS, OBJECTIVES, TrainConfig, describe
 from .layout import (
     Batch,
     Example,
@@ -26,6 +25,7 @@ from .layout import (
 )
 from .logs import StepLog, plot_losses, read_history
 from .loss import causal_lm, cuda_autocast, hidden_states, mars_loss, model_mask, target_logits
+from .recipe import LORA_TARGETS, OBJECTIVES, TrainConfig, describe
 from .run import TrainResult, cosine_schedule, total_steps, train
 from .validation import VAL_TAU, Validation, validate
 

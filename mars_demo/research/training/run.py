@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ...engine.prompts import pad_id
+from ...engine.decoding.chat import pad_id
 from .checkpoints import (
     CHECKPOINT,
     attach_lora,
@@ -22,11 +22,11 @@ from .checkpoints import (
     save_model,
     set_rng_state,
 )
-from .config import TrainConfig, describe
 from .layout import Example, collate, examples_digest, micro_batches
 from .logs import LOSS_LOG, VAL_LOG, StepLog, plot_losses, read_history, write_history
 from .loss import cuda_autocast
 from .parallel import MarsObjective, make_accelerator, shard
+from .recipe import TrainConfig, describe
 from .validation import Validation, validate
 
 logger = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...engine.acceptance import accept_count
-from ...engine.config import check_tau
+from ...engine.decoding.acceptance import accept_count
+from ...engine.decoding.config import check_tau
 from .layout import Example, collate
 from .loss import cuda_autocast, target_logits
 

@@ -27,11 +27,11 @@ from html import escape
 
 import gradio as gr
 
-from ..engine.decoding import Detokenizer, StepEvent
-from ..engine.live import LIVE_POLICY, Busy, LiveRequest, LiveUpdate, SharedBatches, check_pace
-from ..engine.memory import trim_heap
-from ..engine.prompts import prompt_ids
-from ..engine.serving import ServeConfig
+from ..engine.checkpoints.memory import trim_heap
+from ..engine.decoding.chat import prompt_ids
+from ..engine.decoding.loop import Detokenizer, StepEvent
+from ..engine.serving.loop import ServeConfig
+from ..engine.serving.shared import LIVE_POLICY, Busy, LiveRequest, LiveUpdate, SharedBatches, check_pace
 from . import charts
 from .handlers import outputs
 from .messages import error, sentence, warning

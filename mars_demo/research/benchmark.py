@@ -39,17 +39,17 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..engine import lean
-from ..engine.batching import collect_batch, stream_batch_ids
-from ..engine.batching.rows import left_pad
-from ..engine.commit import commit_tokens
-from ..engine.config import DecodeConfig, check_tau, resolve_max_fed
-from ..engine.decoding import collect, eos_ids, stream_ids
-from ..engine.kernels import cpu_model
-from ..engine.loading import LoadedModel
-from ..engine.metrics import agreement, exact_match, per_forward, per_second, speedup
-from ..engine.prompts import pad_id, prompt_ids
-from ..engine.width import known_surface, surface_for
+from ..engine.backends.cpu import lean
+from ..engine.backends.cpu.paths import cpu_model
+from ..engine.checkpoints.loading import LoadedModel
+from ..engine.decoding.batch import collect_batch, stream_batch_ids
+from ..engine.decoding.batch.rows import left_pad
+from ..engine.decoding.chat import pad_id, prompt_ids
+from ..engine.decoding.commit import commit_tokens
+from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
+from ..engine.decoding.loop import collect, eos_ids, stream_ids
+from ..engine.decoding.metrics import agreement, exact_match, per_forward, per_second, speedup
+from ..engine.decoding.width import known_surface, surface_for
 from . import llama_cpp
 from .evaluation import Scorer, pooled_nll
 

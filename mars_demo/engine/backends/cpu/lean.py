@@ -37,7 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import rowattn
-from .decoder import NativeLayers
+from .native_layers import NativeLayers
 
 LEAN_ENV = "MARS_DEMO_LEAN"  # "0": decode with transformers' forward (for comparisons)
 ARCHITECTURES = ("llama", "qwen2")  # RMSNorm, RoPE, q/k/v/o attention and a gated SiLU MLP

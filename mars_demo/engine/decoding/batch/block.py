@@ -18,9 +18,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from ...backends.placement import SeededGenerator
 from ..acceptance import accept_rows
-from ..decoding import LiveTau
-from ..placement import SeededGenerator
+from ..loop import LiveTau
 from .events import BatchEvent
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 

@@ -24,7 +24,7 @@ import threading
 from functools import cache
 from pathlib import Path
 
-from .machine import cache_dir, cpu_features, cpu_model
+from ...machine import cache_dir, cpu_features, cpu_model
 
 logger = logging.getLogger(__name__)
 

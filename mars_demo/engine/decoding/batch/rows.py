@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ...backends.placement import input_device
 from ..commit import commit_tokens
-from ..decoding import RunStats, context_limit
-from ..placement import input_device
+from ..loop import RunStats, context_limit
 from .events import BatchStats, RowStep
 
 

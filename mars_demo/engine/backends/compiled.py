@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from . import lean
+from .cpu import lean
 
 COMPILED = "mars_compiled"  # the model attribute holding the compiled forward
 

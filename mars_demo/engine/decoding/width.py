@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from ..machine import cache_dir
 from .acceptance import greedy_confidence
-from .machine import cache_dir
 
 if TYPE_CHECKING:
-    from .loading import LoadedModel
+    from ..checkpoints.loading import LoadedModel
 
 GRID_ROWS = (1, 2, 4, 8)
 GRID_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 16, 32)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
@@ -396,7 +396,9 @@ def surface_for(lm: LoadedModel) -> Surface | None:
     if lm.compute is None:
         return None
     if lm.model not in _SURFACES:
-        from .kernels import table_key  # the compute path's own key: the same machine, kernels, model and path
+        from ..backends.cpu.paths import (
+            table_key,  # the compute path's own key: the same machine, kernels, model and path
+        )
 
         key = f"{table_key(lm.model, range(1, 2))}|path={lm.compute.path}"
         _SURFACES[lm.model] = cached_surface(lm.model, key, cache_dir())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..decoding import RunStats
+from ..loop import RunStats
 from ..metrics import Rates
 
 

@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from .kernels import PRECISION_ENV
+from ..backends.cpu.paths import PRECISION_ENV
 from .loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError, cache_dir
 
 logger = logging.getLogger(__name__)

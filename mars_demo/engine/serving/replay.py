@@ -35,12 +35,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .decoding import eos_ids
-from .loading import LoadedModel
-from .metrics import agreement, per_forward, per_second
-from .prompts import pad_id
-from .serving import LoopEvent, PassCost, Request, ServeConfig, ServingLoop, parse_policy
-from .width import Surface
+from ..checkpoints.loading import LoadedModel
+from ..decoding.chat import pad_id
+from ..decoding.loop import eos_ids
+from ..decoding.metrics import agreement, per_forward, per_second
+from ..decoding.width import Surface
+from .loop import LoopEvent, PassCost, Request, ServeConfig, ServingLoop, parse_policy
 
 ARRIVALS = ("poisson", "burst")
 BURST = 8

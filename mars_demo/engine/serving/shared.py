@@ -35,11 +35,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .decoding import eos_ids
-from .loading import LoadedModel
-from .prompts import pad_id
-from .serving import ENDINGS, Load, PassStep, Policy, Request, ServeConfig, ServingLoop, parse_policy
-from .width import Surface, surface_for
+from ..checkpoints.loading import LoadedModel
+from ..decoding.chat import pad_id
+from ..decoding.loop import eos_ids
+from ..decoding.width import Surface, surface_for
+from .loop import ENDINGS, Load, PassStep, Policy, Request, ServeConfig, ServingLoop, parse_policy
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from functools import cache
 
 import torch
 
-from . import native
+from ..backends.cpu import native
 
 GREEDY_ENV = "MARS_DEMO_GREEDY"  # "0": softmax, argmax and gather through torch
 _I, _P = ctypes.c_int64, ctypes.c_void_p

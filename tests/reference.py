@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from . import exact
-from .acceptance import accept_count, choose, confidence
-from .commit import EOS, commit_tokens
-from .decoding import capped_width
+from mars_demo.engine.decoding import exact
+from mars_demo.engine.decoding.acceptance import accept_count, choose, confidence
+from mars_demo.engine.decoding.commit import EOS, commit_tokens
+from mars_demo.engine.decoding.loop import capped_width
 
 
 @torch.inference_mode()

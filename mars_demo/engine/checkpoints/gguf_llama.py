@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SHIPPED = Path(__file__).resolve().parents[2] / "assets" / "smollm2-135m-instruct"
+from ..machine import ASSETS
+
+SHIPPED = ASSETS / "smollm2-135m-instruct"
 _LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

@@ -9,6 +9,6 @@ from __future__ import annotations
 
 from functools import partial
 
-from ..reference import reference_decode
+from tests.reference import reference_decode
 
 reference_block_decode = partial(reference_decode, block_capped=True)

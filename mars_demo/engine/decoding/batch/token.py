@@ -22,11 +22,11 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
+from ...backends.placement import SeededGenerator
 from .. import exact
 from ..acceptance import accept_rows
 from ..config import EXACT_IS_GREEDY
-from ..decoding import LiveTau
-from ..placement import SeededGenerator
+from ..loop import LiveTau
 from ..width import GAIN, Hits, WidthController
 from .events import BatchEvent, RowStep
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens

@@ -25,9 +25,11 @@ from html import escape
 
 import gradio as gr
 
-from ..engine.memory import trim_heap
-from ..engine.prompts import prompt_ids
-from ..engine.replay import (
+from ..engine.checkpoints.memory import trim_heap
+from ..engine.decoding.chat import prompt_ids
+from ..engine.decoding.width import affordable_rate, surface_for
+from ..engine.serving.loop import parse_policy, split_policies
+from ..engine.serving.replay import (
     ARRIVALS,
     LIMITS,
     REFERENCE,
@@ -39,8 +41,6 @@ from ..engine.replay import (
     summarise,
     warm_up,
 )
-from ..engine.serving import parse_policy, split_policies
-from ..engine.width import affordable_rate, surface_for
 from .charts import serving_figures, surface_heatmap
 from .examples import EXAMPLE_PROMPTS
 from .messages import error, sentence

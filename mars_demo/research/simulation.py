@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedModel
 
-from ..engine.loading import LoadedModel
-from ..engine.metrics import delta_nll_key
-from ..engine.replay import (
+from ..engine.checkpoints.loading import LoadedModel
+from ..engine.decoding.metrics import delta_nll_key
+from ..engine.decoding.width import Surface
+from ..engine.serving.loop import LoopEvent, PassCost, parse_policy
+from ..engine.serving.replay import (
     REFERENCE,
     PolicyRun,
     SimConfig,
@@ -32,8 +34,6 @@ from ..engine.replay import (
     summarise,
     warm_up,
 )
-from ..engine.serving import LoopEvent, PassCost, parse_policy
-from ..engine.width import Surface
 from .evaluation import Scorer, pooled_nll
 
 

@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .batching.token import TokenBatch
-from .config import MODES, VERIFYING_MODES, check_tau
-from .decoding import context_limit
-from .width import Surface, WidthController
+from ..decoding.batch.token import TokenBatch
+from ..decoding.config import MODES, VERIFYING_MODES, check_tau
+from ..decoding.loop import context_limit
+from ..decoding.width import Surface, WidthController
 
 LEVELS = (1.0, 0.95, 0.9, 0.8, 0.7)  # the latency policy's steps
 DEFAULT_LADDER = ((0, 1.0), (1, 0.95), (4, 0.9), (8, 0.8), (16, 0.7))  # (requests waiting, tau)

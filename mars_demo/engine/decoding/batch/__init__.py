@@ -20,10 +20,10 @@ from collections.abc import Iterator, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ...checkpoints.loading import LoadedModel
+from ..chat import pad_id, prompt_ids
 from ..config import VERIFYING_MODES, DecodeConfig
-from ..decoding import LiveTau, eos_ids
-from ..loading import LoadedModel
-from ..prompts import pad_id, prompt_ids
+from ..loop import LiveTau, eos_ids
 from ..width import Surface, WidthController, surface_for
 from .block import block_passes
 from .events import BatchEvent, BatchGeneration, BatchStats, RowStep, collect_batch

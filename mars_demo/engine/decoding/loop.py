@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import exact, lean
+from ..backends.compiled import compiled_forward, new_cache, rewind
+from ..backends.cpu import lean
+from ..backends.placement import SeededGenerator, input_device
+from ..checkpoints.loading import LoadedModel
+from . import exact
 from .acceptance import accept_prefix
+from .chat import prompt_ids
 from .commit import commit_tokens, cut_at_stop_string
-from .compiled import compiled_forward, new_cache, rewind
 from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
-from .loading import LoadedModel
 from .metrics import Rates
-from .placement import SeededGenerator, input_device
-from .prompts import prompt_ids
 from .width import OneRow, Surface, WidthController
 
 
