@@ -7,6 +7,11 @@ with ctypes. ``library`` returns None where there is no compiler or the build fa
 every caller has a torch path that gives the same results (``int8_linear``: the same bits;
 ``row_attention``: the same up to float rounding). Which one a process uses never changes while it
 runs, so all of its passes round alike.
+
+A struct handed to a kernel through ctypes is checked, not trusted: the library exports each
+struct's layout (``layout_<Struct>``: its size, then every field's offset and size in order) and
+``function`` compares it with the ctypes class at load. A mismatch refuses that kernel with one
+logged error (its torch path runs) instead of letting the kernel read memory at the wrong offsets.
 """
 
 from __future__ import annotations
@@ -120,14 +125,67 @@ def library(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def function(name: str, switch: str, argtypes: list) -> ctypes._CFuncPtr | None:
-    """The C function ``name`` of ``csrc/<name>.cpp`` (returning int), or None: ``switch`` set to "0" or no library."""
+def function(
+    name: str, switch: str, argtypes: list, structs: dict[str, type[ctypes.Structure]] | None = None,
+) -> ctypes._CFuncPtr | None:
+    """The C function ``name`` of ``csrc/<name>.cpp`` (returning int), or None: ``switch`` set to "0", no library,
+    or a struct it takes laid out differently in C.
+
+    structs: the ctypes class of each C struct the function reads, by the struct's name in the source.
+    """
     if os.environ.get(switch, "1") == "0":
         return None
     loaded = library(INCLUDED_IN.get(name, name)) or library(name)
     if loaded is None:
         return None
+    for struct_name, struct in (structs or {}).items():
+        wrong = layout_mismatch(loaded, struct_name, struct)
+        if wrong is not None:
+            logger.error("native %s kernel refused, its torch path runs instead: %s", name, wrong)
+            return None
     found = getattr(loaded, name)
     found.argtypes = argtypes
     found.restype = ctypes.c_int
     return found
+
+
+def layout(struct: type[ctypes.Structure]) -> list[int]:
+    """A ctypes class's layout as ``layout_<Struct>`` writes it: size, field count, (offset, size) per field."""
+    fields = [getattr(struct, field[0]) for field in struct._fields_]
+    return [ctypes.sizeof(struct), len(fields), *(n for f in fields for n in (f.offset, f.size))]
+
+
+def exported_layout(loaded: ctypes.CDLL, struct_name: str) -> list[int] | None:
+    """The layout of C struct ``struct_name`` that the library exports, or None where it exports none."""
+    try:
+        exporter = getattr(loaded, f"layout_{struct_name}")
+    except AttributeError:
+        return None
+    exporter.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    exporter.restype = ctypes.c_int64
+    entries = exporter(None, 0)
+    out = (ctypes.c_int64 * entries)()
+    exporter(out, entries)
+    return list(out)
+
+
+def layout_mismatch(loaded: ctypes.CDLL, struct_name: str, struct: type[ctypes.Structure]) -> str | None:
+    """How ``struct`` differs from the library's C struct ``struct_name``, in one sentence; None where they agree.
+
+    The first field out of place is named; two fields of one size swapped keep the layout and pass.
+    """
+    theirs, ours = exported_layout(loaded, struct_name), layout(struct)
+    where = f"ctypes class {struct.__name__} and C struct {struct_name}"
+    if theirs is None:
+        return f"the library exports no layout for C struct {struct_name}"
+    for i, (field, *_) in enumerate(struct._fields_[: theirs[1]]):
+        mine, c_side = ours[2 + 2 * i: 4 + 2 * i], theirs[2 + 2 * i: 4 + 2 * i]
+        if mine != c_side:
+            return (
+                f"{where} differ at field {i} ({field!r}): offset {mine[0]}, size {mine[1]} in Python; "
+                f"offset {c_side[0]}, size {c_side[1]} in C"
+            )
+    if theirs[:2] != ours[:2]:
+        sizes = (f"{size} bytes in {count} fields" for size, count in (ours[:2], theirs[:2]))
+        return f"{where} differ: {next(sizes)} in Python, {next(sizes)} in C"
+    return None

@@ -14,6 +14,10 @@ passes and prefills alike, so the rows that must agree (a prefill's prompt rows 
 masks after them, a wide pass's rows with one-token passes) are computed by the same code. Its
 logits differ from the torch layers' by float rounding (its RMSNorm and SiLU round differently);
 ``MARS_DEMO_DECODER=0`` switches it off (lean.py's torch layers then run).
+
+The ctypes classes below copy decoder.cpp's ``Int8Weights``, ``Layer`` and ``Pass``; ``kernel()``
+compares them with the layouts the library exports (``native.layout_mismatch``) and refuses the
+native layers where they differ.
 """
 
 from __future__ import annotations
@@ -51,10 +55,14 @@ class _Pass(ctypes.Structure):
     ]
 
 
+STRUCTS = {"Int8Weights": _Int8Weights, "Layer": _Layer, "Pass": _Pass}  # decoder.cpp's name: its ctypes copy
+
+
 @cache
 def kernel():
-    """The native decoder layers (a ctypes function), or None: switched off, no compiler, or the build failed."""
-    return native.function("decoder", DECODER_ENV, [_P, _P, _I])
+    """The native decoder layers (a ctypes function), or None: switched off, no compiler, the build failed, or a
+    struct's layout differs from decoder.cpp's."""
+    return native.function("decoder", DECODER_ENV, [_P, _P, _I], STRUCTS)
 
 
 def _int8_weights(gemm) -> int8gemm.Weights | None:

@@ -1,4 +1,4 @@
-// int8dyn's decoder layers as one native call a pass (mars_demo/engine/decoder.py).
+// int8dyn's decoder layers as one native call a pass (mars_demo/engine/backends/cpu/native_layers.py).
 //
 // A llama-family layer: RMSNorm, the q/k/v linear, RoPE, the keys and values written into the
 // cache's buffers, the row-exact attention, the o linear and the residual; RMSNorm, the gate/up
@@ -25,6 +25,8 @@
 #pragma GCC optimize("fp-contract=fast")
 #include "row_attention.cpp"
 #pragma GCC pop_options
+
+#include <stddef.h>
 
 namespace {
 
@@ -250,10 +252,46 @@ int run(const Pass& p, const Layer* layers, int64_t n_layers) {
   return failed;
 }
 
+// A struct's layout as native_layers.py's ctypes classes must match it: its size, its field count,
+// then each field's offset and size in declaration order. Written into out (room entries at most);
+// returns how many entries the whole layout has.
+#define FIELD(S, f) (int64_t)offsetof(S, f), (int64_t)sizeof(S::f)
+
+template <size_t N>
+int64_t write_layout(int64_t size, const int64_t (&fields)[N], int64_t* out, int64_t room) {
+  const int64_t head[2] = {size, (int64_t)(N / 2)};
+  for (int64_t i = 0; i < (int64_t)N + 2 && i < room; ++i) out[i] = i < 2 ? head[i] : fields[i - 2];
+  return (int64_t)N + 2;
+}
+
 }  // namespace
 
 extern "C" {
 
 // The decoder layers of one pass over x (pass.x, in place). Returns 0, or 1 when out of memory.
 int decoder(const Pass* pass, const Layer* layers, int64_t n_layers) { return run(*pass, layers, n_layers); }
+
+int64_t layout_Int8Weights(int64_t* out, int64_t room) {
+  using S = Int8Weights;
+  const int64_t fields[] = {FIELD(S, weight), FIELD(S, sums), FIELD(S, scale), FIELD(S, bias), FIELD(S, in),
+                            FIELD(S, out)};
+  return write_layout(sizeof(S), fields, out, room);
+}
+
+int64_t layout_Layer(int64_t* out, int64_t room) {
+  using S = Layer;
+  const int64_t fields[] = {FIELD(S, norm1), FIELD(S, norm2), FIELD(S, eps1), FIELD(S, eps2), FIELD(S, qkv),
+                            FIELD(S, o), FIELD(S, gate_up), FIELD(S, down)};
+  return write_layout(sizeof(S), fields, out, room);
+}
+
+int64_t layout_Pass(int64_t* out, int64_t room) {
+  using S = Pass;
+  const int64_t fields[] = {
+      FIELD(S, x), FIELD(S, batch), FIELD(S, rows), FIELD(S, hidden), FIELD(S, heads), FIELD(S, kv_heads),
+      FIELD(S, dim), FIELD(S, cos), FIELD(S, sin), FIELD(S, rope_batch_stride), FIELD(S, keys), FIELD(S, values),
+      FIELD(S, cache_batch_stride), FIELD(S, cache_head_stride), FIELD(S, start), FIELD(S, ranges),
+      FIELD(S, offsets), FIELD(S, scale), FIELD(S, inverse), FIELD(S, threads), FIELD(S, attention_threads)};
+  return write_layout(sizeof(S), fields, out, room);
+}
 }
