@@ -46,10 +46,11 @@ from mars_demo.engine.backends.cpu.paths import prebuild
 from mars_demo.engine.checkpoints.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.engine.decoding.config import METRICS, RANGES, DecodeConfig
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
-from mars_demo.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, empty_figures
+from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.hosting import ClearBlocks, DecodeSlot, Limits, one_job_per_session, slot_cleanup
 from mars_demo.ui.live_tab import LIVE_CSS, LIVE_OUTPUTS, LiveHandlers, LiveState, live_cleanup
 from mars_demo.ui.models import COMPUTE_CHOICES, Loader, ModelPolicy, decoding_threads, default_compute_path
+from mars_demo.ui.outputs import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, empty_figures
 from mars_demo.ui.race import VIEW_EVERY, VIEW_SETTLE, Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
 from mars_demo.ui.serving_tab import (

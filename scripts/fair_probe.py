@@ -37,7 +37,7 @@ from soak import Server, cpu_model
 
 from mars_demo.engine.checkpoints.loading import BUNDLED
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
-from mars_demo.ui.handlers import RACE_OUTPUTS
+from mars_demo.ui.outputs import RACE_OUTPUTS
 
 LOOPBACK = "127.0.0.1"
 MARS_PANE = RACE_OUTPUTS.index("mars_pane")

@@ -42,7 +42,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mars_demo.ui.examples import EXAMPLE_PROMPTS as PROMPTS
-from mars_demo.ui.handlers import RACE_OUTPUTS
+from mars_demo.ui.outputs import RACE_OUTPUTS
 
 JSON_FILE = RACE_OUTPUTS.index("json_file")  # the API's outputs come by position
 

@@ -15,9 +15,10 @@ import pytest
 from mars_demo.engine.checkpoints.loading import BUNDLED, ModelLoadError
 from mars_demo.engine.decoding.config import DecodeConfig, resolve_max_fed
 from mars_demo.engine.decoding.loop import LiveTau, StepEvent, generate
-from mars_demo.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
+from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.hosting import DecodeSlot
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
+from mars_demo.ui.outputs import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, named
 from mars_demo.ui.race import VIEW_EVERY, LaneCadence, RaceTrace, Session, interleave
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 

@@ -17,9 +17,10 @@ from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.loop import Detokenizer
 from mars_demo.engine.serving.loop import PassStep, ServeConfig
 from mars_demo.engine.serving.shared import LiveUpdate, SharedBatches
-from mars_demo.ui.handlers import DemoHandlers, named
+from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.live_tab import BUSY_LIVE, LIVE_OUTPUTS, LiveHandlers, LiveState, LiveView, batches_from_env
 from mars_demo.ui.models import ModelPolicy, model_choices
+from mars_demo.ui.outputs import named
 
 from conftest import tiny_loader
 

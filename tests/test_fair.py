@@ -27,9 +27,10 @@ from mars_demo.engine.checkpoints.hub import HubUnreachable, check_hub
 from mars_demo.engine.checkpoints.loading import BUNDLED
 from mars_demo.engine.checkpoints.memory import GB, ModelTooLarge
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
-from mars_demo.ui.handlers import RACE_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
+from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.hosting import SETTINGS, DecodeSlot, Limits
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
+from mars_demo.ui.outputs import RACE_OUTPUTS, SWEEP_OUTPUTS, named
 from mars_demo.ui.race import Session
 from mars_demo.ui.traces import TraceStore
 

@@ -24,9 +24,10 @@ import app
 from mars_demo.engine.checkpoints.loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
-from mars_demo.ui.handlers import BUSY, MODEL_OUTPUTS, RACE_OUTPUTS, DemoHandlers, named
+from mars_demo.ui.handlers import BUSY, DemoHandlers
 from mars_demo.ui.messages import error, for_client, is_api, sentence
 from mars_demo.ui.models import ModelBusy, ModelCache, ModelPolicy, ModelRefused, decoding_threads, model_choices
+from mars_demo.ui.outputs import MODEL_OUTPUTS, RACE_OUTPUTS, named
 from mars_demo.ui.race import RaceTrace, Session
 from mars_demo.ui.traces import TraceStore, stem
 

@@ -16,8 +16,9 @@ from mars_demo.engine.checkpoints.memory import (
     needed_bytes,
     parameter_count,
 )
-from mars_demo.ui.handlers import MODEL_OUTPUTS, DemoHandlers, named
+from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelPolicy, model_choices
+from mars_demo.ui.outputs import MODEL_OUTPUTS, named
 from mars_demo.ui.race import Session
 
 PROMPT = "Explain why the sky is blue."

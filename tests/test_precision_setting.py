@@ -15,9 +15,10 @@ from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import generate
 from mars_demo.engine.serving.loop import ServeConfig
 from mars_demo.engine.serving.shared import SharedBatches
-from mars_demo.ui.handlers import MODEL_OUTPUTS, SWEEP_OUTPUTS, DemoHandlers, named
+from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.live_tab import LIVE_OUTPUTS, LiveHandlers, LiveState
 from mars_demo.ui.models import ModelCache, ModelPolicy, default_compute_path, model_choices
+from mars_demo.ui.outputs import MODEL_OUTPUTS, SWEEP_OUTPUTS, named
 from mars_demo.ui.race import Session
 from mars_demo.ui.serving_tab import ServingHandlers, ServingState
 

@@ -7,9 +7,10 @@ import pytest
 from mars_demo.engine.backends.cpu import native
 from mars_demo.engine.checkpoints import progress
 from mars_demo.engine.checkpoints.loading import BUNDLED, ModelLoadError
-from mars_demo.ui.handlers import MODEL_OUTPUTS, DemoHandlers, named
+from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.loading import staged_load
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
+from mars_demo.ui.outputs import MODEL_OUTPUTS, named
 from mars_demo.ui.race import Session
 
 STAGES = ("converting the GGUF weights", "measuring int8dyn (compute path 1 of 4)")
