@@ -1,4 +1,4 @@
-"""The live shared batch (engine/live.py) under 1, 2 and 4 users sending at once: wall time, tokens/s, tau.
+"""The live shared batch (engine/serving/shared.py) under 1, 2 and 4 users sending at once: wall time, tokens/s, tau.
 
 Each user's prompt is one of the app's examples; all are submitted together (the batch paused) and
 decoded to the end, first under the live policy, then under fixed:1.0 (batched greedy AR) for

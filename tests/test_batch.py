@@ -4,7 +4,7 @@ Equalities that hold token for token (greedy, fp32; up to floating-point near-ti
 of tau, which these tiny models do not hit):
   * tau = 1.0, both schemes: every row equals greedy AR of that row alone (HF generate);
   * block scheme, any tau: every row equals the uncached block-capped sliding window
-    (batching.reference.reference_block_decode), hence a one-row run of the same decoder;
+    (batch_reference.reference_block_decode), hence a one-row run of the same decoder;
   * token scheme, any tau: every row equals the uncached sliding window (reference.reference_decode).
 The block scheme is NOT the sliding window at tau < 1: it never accepts past a block's end.
 """

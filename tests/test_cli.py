@@ -32,7 +32,7 @@ def test_generate_json_lines_for_a_prompts_file(model_dir, tmp_path, capsys):
 
 def test_generate_max_fed_none_gives_the_full_window(model_dir, capsys):
     """tau 0 accepts every candidate: the paper's window gives B per pass, a cap fewer; auto prices each pass's
-    width on the measured path's curve (engine/width.py; tests/test_width.py holds it to injected curves)."""
+    width on the measured path's curve (engine/decoding/width.py; tests/test_width.py holds it to injected curves)."""
     def run(*flags):
         assert main(["generate", "--model", model_dir, "--prompt", "Count.", "--tau", "0", "--block-size", "4",
                      "--max-new-tokens", "16", "--json", *flags]) == 0

@@ -1,5 +1,5 @@
-"""int8dyn's native decoder layers (engine/native_layers.py, csrc/decoder.cpp): the torch layers' logits up to
-rounding, and every row bit for bit independent of the rows fed beside it."""
+"""int8dyn's native decoder layers (backends/cpu/native_layers.py, csrc/decoder.cpp): the torch layers' logits
+up to rounding, and every row bit for bit independent of the rows fed beside it."""
 
 from __future__ import annotations
 

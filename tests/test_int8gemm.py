@@ -1,4 +1,4 @@
-"""The native int8 linear (engine/int8gemm.py, csrc/int8_linear.cpp) and how kernels are built (engine/native.py)."""
+"""The native int8 linear (backends/cpu/int8gemm.py, csrc/int8_linear.cpp) and how kernels are built (native.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The lean forward (lean.py): the transformers forward's logits, bit for bit, on every path and pass kind.
 
-These tests run the lean forward's torch layers: int8dyn's native decoder layers (decoder.py), which
+These tests run the lean forward's torch layers: int8dyn's native decoder layers (native_layers.py), which
 round the norms and the SiLU differently, are switched off here and tested in test_decoder.py.
 """
 

@@ -1,4 +1,4 @@
-"""The live shared batch (engine/live.py): concurrent submitters share one running batch, each gets its own
+"""The live shared batch (engine/serving/shared.py): concurrent submitters share one running batch, each gets its own
 stream, exactly what it would decode alone at the tau schedule it saw; bounds, cancellation, errors."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The native row-exact attention (engine/rowattn.py, csrc/row_attention.cpp)."""
+"""The native row-exact attention (engine/backends/cpu/rowattn.py, csrc/row_attention.cpp)."""
 
 from __future__ import annotations
 

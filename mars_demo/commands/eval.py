@@ -1,7 +1,7 @@
 """``eval``: MARS at several tau against its tau = 1.0 output, the AR decoder and the base model.
 
 Prints one table row per tau and writes the full report (figures, definitions,
-every output) as JSON with ``--out``. The figures are defined in mars_demo/engine/metrics.py and
+every output) as JSON with ``--out``. The figures are defined in mars_demo/engine/decoding/metrics.py and
 mars_demo/research/evaluation.py.
 """
 

@@ -1,7 +1,7 @@
 """``serve-sim``: replay seeded arrivals through the serving loop under several tau policies.
 
 Every policy serves the same requests in this process, on a simulated clock driven by
-the measured pass times (mars_demo/research/serve_sim.py says exactly how). Prints the totals
+the measured pass times (mars_demo/research/simulation.py says exactly how). Prints the totals
 and writes serve-sim.json and a self-contained serve-sim.html (one curve per policy).
 """
 

@@ -1,4 +1,4 @@
-"""``train``: MARS fine-tuning of a base model on distilled JSONL data (see mars_demo/research/training.py)."""
+"""``train``: MARS fine-tuning of a base model on distilled JSONL data (see mars_demo/research/training/)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Every prompt is decoded by the AR decoder (mode "ar"), by MARS at tau = 1.0 (the
 reference output) and by MARS at each other tau, in that order, prompt after prompt,
 so that machine load falls on all of them alike; one warm-up decode of each mode
 comes first. All decoding is greedy. Figures per tau, pooled over the prompts, are
-those of engine/metrics.py (``DEFINITIONS`` below says each in a line, and goes into
+those of engine/decoding/metrics.py (``DEFINITIONS`` below says each in a line, and goes into
 the JSON report); besides them:
 
   time_ratio          sum of AR seconds / sum of MARS seconds on the same prompts

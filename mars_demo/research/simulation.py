@@ -1,11 +1,11 @@
 """The serve-sim command's measurements: quality under the base model, pass costs, the width-free clock.
 
 The replay itself (seeded arrivals, every policy over the same requests, the simulated
-clock, the figures) is engine/replay.py. Here:
+clock, the figures) is engine/serving/replay.py. Here:
   delta_nll_base   pooled NLL per token under the base model (evaluation.Scorer,
                    teacher-forced) of a policy's outputs minus that of fixed:1.0's, over the
                    requests finished in both (metrics.delta_nll_key("base"))
-  model_cost       the cost-model clocks (CLOCKS) on the measured cost surface (engine/width.py):
+  model_cost       the cost-model clocks (CLOCKS) on the measured cost surface (decoding/width.py):
                    "tokens-fed" charges every pass the surface's cost at its rows and width;
                    "width-free" projects the same replay onto hardware where a wider pass costs
                    no more than a one-token pass of the same rows (a GPU, for a model this small)

@@ -1,4 +1,4 @@
-"""The report of a serving simulation (serve_sim.py): the totals as text, and one self-contained HTML page.
+"""The report of a serving simulation (simulation.py): the totals as text, and one self-contained HTML page.
 
 The page's charts (one curve per policy) are the app's own (ui/charts.py, serving section),
 handed in by the command; plotly.js is inlined once, so the page opens without a network.

@@ -289,7 +289,7 @@ class DemoHandlers:
                 for decoder in (mars, ar):  # their KV caches go now, not when Gradio drops this generator
                     if decoder is not None:
                         decoder.close()
-                trim_heap()  # and the freed pages back to the system (engine/memory.py)
+                trim_heap()  # and the freed pages back to the system (engine/checkpoints/memory.py)
 
     def _race(self, trace: RaceTrace, passes: Iterator, session: Session, request, cancel, deadline: float
               ) -> Iterator[tuple]:

@@ -1,6 +1,6 @@
 """The Serving tab: seeded arrivals replayed through the serving loop under several tau policies, live.
 
-The run is the serve-sim command's replay (serve_sim.py) inside the app: the same
+The run is the serve-sim command's replay (research/simulation.py) inside the app: the same
 requests for every policy, one policy after another, on a clock driven by the measured
 pass times. Charts (tau, queue, throughput, latency over time, one line per policy) are
 redrawn about once a second and the totals table grows as each policy finishes.

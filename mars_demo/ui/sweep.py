@@ -104,7 +104,7 @@ def sweep_runs(
 
 
 def frontier(runs: Sequence[SweepRun]) -> list[FrontierPoint]:
-    """One point per tau (highest first), from whatever runs have finished so far (engine.metrics definitions)."""
+    """One point per tau (highest first), from whatever runs have finished so far (decoding.metrics definitions)."""
     reference = {r.prompt: r for r in runs if r.mode == "mars" and r.tau == REFERENCE_TAU}
     baseline = {r.prompt: r for r in runs if r.mode == "ar"}
     points = []

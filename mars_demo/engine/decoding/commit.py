@@ -1,8 +1,8 @@
 """What a pass commits: its accepted tokens, cut at the token limit, the first stop id and the first stop string.
 
-Every decoder (decoding.py, the batch schemes, the reference decoders, the
+Every decoder (loop.py, the batch schemes, the reference decoders, the
 benchmark's transformers runs) cuts through ``commit_tokens``; the text layer of
-decoding.py cuts stop strings through ``cut_at_stop_string``.
+loop.py cuts stop strings through ``cut_at_stop_string``.
 """
 
 from __future__ import annotations

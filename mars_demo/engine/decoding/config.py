@@ -45,7 +45,7 @@ class DecodeConfig:
     temperature: 0 is greedy; above 0 samples with Gumbel-max noise.
     stop: strings that end the output; the output ends with the stop string, as in transformers.
     max_fed: how wide a MARS pass is, for CPUs where a pass's cost grows with its width. "auto":
-      each pass's width priced on the model's measured CPU compute path (engine/width.py; batches:
+      each pass's width priced on the model's measured CPU compute path (decoding/width.py; batches:
       on the cost surface), the full window where nothing is measured. None: the paper's full
       window. An integer N: at most N tokens fed (last pass's tokens + masks; at least one mask;
       the prefill always gets B-1). docs/METHOD.md, "Width".

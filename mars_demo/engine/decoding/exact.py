@@ -120,7 +120,7 @@ class DraftDepth:
     """How many drafts an exact pass verifies (D <= B - 1), and whether it carries fallback masks.
 
     Chosen before every pass by expected tokens per millisecond, from the measured
-    cost curve (ms per pass by tokens fed, kernels.ComputePath) and the running share
+    cost curve (ms per pass by tokens fed, paths.ComputePath) and the running share
     of drafts held at each depth. A layout (D, fallback) feeds 1 + 2D (+ D) tokens when
     there are drafts and 1 + D when there are none (the pass after a rejection without
     fallback masks). Its long-run rate is that of a two-state chain: with drafts, a

@@ -1,1 +1,1 @@
-"""serving"""
+"""Many requests at once: continuous batching, tau policies, the app's live shared batch, seeded replays."""

@@ -3,10 +3,10 @@
 Arrivals are drawn once from the seed ("poisson": exponential gaps at ``rate`` per second;
 "burst": groups of BURST requests arriving together every BURST / rate seconds, the same
 mean rate), each with a prompt drawn from the pool. Every policy replays exactly these
-requests, one after another, after one warm-up (research/serve_sim.py for the command,
-ui/serving.py for the app's Serving tab).
+requests, one after another, after one warm-up (research/simulation.py for the command,
+ui/serving_tab.py for the app's Serving tab).
 
-The clock is the loop's (serving.py): by default it advances by the *measured* seconds of
+The clock is the loop's (serving/loop.py): by default it advances by the *measured* seconds of
 every forward pass (prefills included) and jumps over idle time to the next arrival, so
 the figures are what a server doing nothing but these passes would see, with no sleeps
 and no scheduler noise; host work between passes (a few ms of Python per pass) is not
@@ -20,11 +20,11 @@ Figures per policy (``summarise``; ``add_agreement``):
   queue_max, queue_mean  requests waiting, per iteration (mean weighted by clock time)
   tau_mean             mean tau over request passes (what requests were decoded at)
   width_mean           mean candidates a request was offered per decoding pass (1: AR passes; the width
-                       controller's choice, engine/width.py)
+                       controller's choice, decoding/width.py)
   tokens_per_forward   tokens / request passes (metrics.per_forward)
   agreement            metrics.agreement (mean over requests of the common prefix) with the fixed:1.0
                        output of the same request (1.0 = identical)
-research/serve_sim.py adds delta_nll_base (dNLL under the base model).
+research/simulation.py adds delta_nll_base (dNLL under the base model).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Live serving: concurrent callers (the app's users) share one running batch, and tau follows their load.
 
-A ``SharedBatch`` drives one ``serving.ServingLoop`` (continuous batching on the token-level
+A ``SharedBatch`` drives one ``loop.ServingLoop`` (continuous batching on the token-level
 batch) from a background worker thread. Any thread may ``submit`` a prompt (token ids) and gets
 a ``LiveRequest``: its own queue of ``LiveUpdate``s, which only that request's passes reach. The
 worker starts with the first request and ends after ``idle`` seconds with nothing in flight.
@@ -11,12 +11,12 @@ request then gets the passes it took part in: per pass the tokens, their confide
 tau they were accepted at. ``SharedBatches`` keeps one SharedBatch per loaded model.
 Each pass's width comes from the width controller on the model's measured cost surface
 (width.py; measured once per machine, at the first live request), and the demand ladder
-lowers tau only where wider passes pay at the rows running (serving.py, "priced").
+lowers tau only where wider passes pay at the rows running (loop.py, "priced").
 
 Bounds: at most ``config.max_batch`` rows decode and ``max_queue`` requests wait; a request
 beyond that is refused at once with ``Busy``. ``config.max_new_tokens`` bounds every request.
 A cancelled request (Stop, a closed page) leaves the batch at the next pass boundary. A pass
-that fails ends the requests in it with the error (serving.py); anything else that fails ends
+that fails ends the requests in it with the error (loop.py); anything else that fails ends
 the requests in flight with the error and the worker goes on with a fresh loop. Every request
 ends exactly once: its last update has status "done", "stopped" or "error".
 """

@@ -1,15 +1,15 @@
 """int8dyn's linear as one native call: row scaling, coding, the int8 GEMM and its float ends together.
 
-``kernels.RowInt8Linear`` scales each row by its largest magnitude, codes it as uint8 and multiplies
+``quant.RowInt8Linear`` scales each row by its largest magnitude, codes it as uint8 and multiplies
 it by 7-bit weights. Through fbgemm that is six torch ops and one fbgemm call, which packs its
 input for every GEMM, 121 calls a pass, each costing several times its arithmetic.
 ``csrc/int8_linear.cpp`` does the same arithmetic in one call, on torch's own OpenMP threads
-(engine/native.py). Its integer sums are exact and its float
+(native.py). Its integer sums are exact and its float
 steps are fbgemm's (csrc comment), so its output is fbgemm's bit for bit where fbgemm is right;
 fbgemm itself is not always (it sometimes returns one wrong row of a 64-row call:
 tests/test_int8gemm.py and docs/bench/history.md, "Native int8 linear").
 
-Built on first use (engine/native.py). Without a compiler, or with ``MARS_DEMO_INT8GEMM=0``,
+Built on first use (native.py). Without a compiler, or with ``MARS_DEMO_INT8GEMM=0``,
 ``kernel()`` is None and RowInt8Linear calls fbgemm as before.
 """
 

@@ -2,12 +2,12 @@
 
 Exact mode, MARS at tau = 1.0 and batch rows equal one-token AR only if a row's output does not
 depend on the rows fed beside it. SDPA's does (its blocking follows the rows and keys of the call),
-so ``kernels.row_exact_attention`` used to call SDPA once per row and layer, which was most of
+so ``quant.row_exact_attention`` used to call SDPA once per row and layer, which was most of
 what a wider pass cost over a one-token pass. ``csrc/row_attention.cpp`` does all the rows of a
 layer in one call, each row over its own visible keys in an order fixed by those keys alone (module
 comment there; figures in docs/bench/history.md, "Native row-exact attention").
 
-The kernel is built on first use (engine/native.py). Without a compiler, or with
+The kernel is built on first use (native.py). Without a compiler, or with
 ``MARS_DEMO_ROWATTN=0``, ``kernel()`` is None and the attention goes row by row through SDPA as
 before.
 """

@@ -1,7 +1,7 @@
-// Row-exact int8 x int8 linear on the CPU: int8dyn's linear (mars_demo/engine/int8gemm.py).
+// Row-exact int8 x int8 linear on the CPU: int8dyn's linear (mars_demo/engine/backends/cpu/int8gemm.py).
 //
 // y = x W^T + b with one activation scale per row and one weight scale per output channel, the
-// arithmetic of kernels.RowInt8Linear's fbgemm call bit for bit: each row is divided by its
+// arithmetic of quant.RowInt8Linear's fbgemm call bit for bit: each row is divided by its
 // largest magnitude, coded as uint8 around 128 (code = nearbyint(x / max * inverse) + 128, clamped
 // to 0..255), multiplied by the 7-bit weights with exact int32 sums, and the sum s becomes
 // (float(s) * scale[j]) * max (+ b[j]), where scale[j] is the input step times the channel's

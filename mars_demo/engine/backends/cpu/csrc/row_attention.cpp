@@ -1,4 +1,4 @@
-// Row-exact attention for short passes on the CPU (mars_demo/engine/rowattn.py).
+// Row-exact attention for short passes on the CPU (mars_demo/engine/backends/cpu/rowattn.py).
 //
 // Every query row attends alone: its output depends only on its query and on the sequence of keys
 // and values it may see, never on the other rows of the call, their number or the keys it may not
