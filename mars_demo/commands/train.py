@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import warnings
 from pathlib import Path
 
+from .. import settings
 from ..cli import UserError
 from ..engine.checkpoints.loading import BUNDLED_BASE, load_model
 from ..research.distillation import read_jsonl
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         init_adapter=args.init_adapter, resume=args.resume,
         val_examples=val_examples, val_every=args.val_every, val_data=str(args.val_data or ""),
     )
-    if os.environ.get("RANK", "0") != "0":
+    if settings.RANK.read() != "0":
         return 0  # accelerate launch: the main process reports
     _report(result, args.out)
     return 0
@@ -166,6 +166,7 @@ def launched_device() -> str | None:
     """Under ``accelerate launch`` on GPUs, this process's own GPU (LOCAL_RANK); else None (the default)."""
     import torch
 
-    if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
-        return f"cuda:{os.environ['LOCAL_RANK']}"
+    local = settings.LOCAL_RANK.read()
+    if local is not None and torch.cuda.is_available():
+        return f"cuda:{local}"
     return None

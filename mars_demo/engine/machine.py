@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import platform
 from pathlib import Path
+
+from .. import settings
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the repository's assets/: shipped data and model files
 
 
 def cache_dir() -> Path:
     """Where converted weights, cost tables and built kernels live (``MARS_DEMO_CACHE`` overrides)."""
-    root = os.environ.get("MARS_DEMO_CACHE") or Path.home() / ".cache" / "mars_demo"
-    return Path(root)
+    return settings.CACHE.read()
 
 
 def _cpuinfo(field: str) -> str | None:

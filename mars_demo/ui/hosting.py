@@ -1,8 +1,8 @@
 """Fair to every visitor: the host's limits, the decoding slot, one job per session, a message for every bad call.
 
-``Limits`` reads every limit once from the environment (docs/hosting.md lists them). When the
-app believes it is public (``models.is_hosted``: a Space, or GRADIO_SERVER_NAME beyond this
-machine) the defaults are the hosted ones: a shorter time budget per run, fewer new tokens, a
+``Limits`` reads every limit once from the environment (declared in mars_demo/settings.py, listed in
+docs/hosting.md). When the app believes it is public (``settings.hosted``: a Space, or GRADIO_SERVER_NAME
+beyond this machine) the defaults are the hosted ones: a shorter time budget per run, fewer new tokens, a
 smaller sweep, the compute path fixed to the one the shared model was loaded on, one decoding
 job per session. Each one is the host's to override.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -32,21 +31,22 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from .. import settings
 from ..engine.decoding.config import RANGES
-from .models import is_hosted
 
 logger = logging.getLogger(__name__)
 
-# (env name, local default, hosted default) of every limit
-SETTINGS = {
-    "run_seconds": ("MARS_DEMO_RUN_SECONDS", 600.0, 60.0),
-    "max_new_tokens": ("MARS_DEMO_MAX_NEW_TOKENS", int(RANGES["max_new_tokens"][1]), 512),
-    "sweep_runs": ("MARS_DEMO_SWEEP_RUNS", 120, 28),
-    "sweep_tokens": ("MARS_DEMO_SWEEP_TOKENS", int(RANGES["max_new_tokens"][1]), 128),
-    "paths": ("MARS_DEMO_PATHS", "any", "shared"),
-    "session_jobs": ("MARS_DEMO_SESSION_JOBS", 0, 1),
-    "upload_mb": ("MARS_DEMO_UPLOAD_MB", 1.0, 1.0),
+LIMIT_SETTINGS = {  # each of Limits' fields -> its variable
+    "run_seconds": settings.RUN_SECONDS,
+    "max_new_tokens": settings.MAX_NEW_TOKENS,
+    "sweep_runs": settings.SWEEP_RUNS,
+    "sweep_tokens": settings.SWEEP_TOKENS,
+    "paths": settings.PATHS,
+    "session_jobs": settings.SESSION_JOBS,
+    "upload_mb": settings.UPLOAD_MB,
 }
+# (variable, local default, hosted default) of every limit
+SETTINGS = {key: (s.name, s.default, s.hosted_default) for key, s in LIMIT_SETTINGS.items()}
 PATH_RULES = ("any", "shared")
 SLOT_BUSY = "The decoding slot is still busy finishing another run: try again in a moment."
 ONE_JOB = "You already have a run waiting or decoding: wait for it to end, or press Stop."
@@ -55,16 +55,16 @@ UNEXPECTED = "Something went wrong on the server while handling this call (the s
 
 @dataclass(frozen=True)
 class Limits:
-    """The host's limits (``SETTINGS``): every value is checked here, once."""
+    """The host's limits (``LIMIT_SETTINGS``): every value is checked here, once."""
 
     hosted: bool = False
-    run_seconds: float = 600.0  # wall-clock budget of one run (race, sweep, serving run, live request)
-    max_new_tokens: int = 2048  # a race's max new tokens
-    sweep_runs: int = 120  # runs one sweep may plan (per prompt: AR, tau 1.0 and each tau)
-    sweep_tokens: int = 2048  # a sweep run's max new tokens
-    paths: str = "any"  # "shared": only the compute path the shared model is on; "any": every path
-    session_jobs: int = 0  # decoding jobs a session may have queued or running (0: no limit)
-    upload_mb: float = 1.0  # Gradio's upload route refuses larger files (the app uploads nothing)
+    run_seconds: float = settings.RUN_SECONDS.default  # wall-clock budget of one run (race, sweep, serving, live)
+    max_new_tokens: int = settings.MAX_NEW_TOKENS.default  # a race's max new tokens
+    sweep_runs: int = settings.SWEEP_RUNS.default  # runs one sweep may plan (per prompt: AR, tau 1.0 and each tau)
+    sweep_tokens: int = settings.SWEEP_TOKENS.default  # a sweep run's max new tokens
+    paths: str = settings.PATHS.default  # "shared": only the path the shared model is on; "any": every path
+    session_jobs: int = settings.SESSION_JOBS.default  # decoding jobs a session may have queued or running (0: any)
+    upload_mb: float = settings.UPLOAD_MB.default  # Gradio's upload route refuses larger files (the app uploads none)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.run_seconds) and self.run_seconds > 0):
@@ -73,29 +73,18 @@ class Limits:
         for name in ("max_new_tokens", "sweep_tokens", "sweep_runs"):
             value = getattr(self, name)
             if not 1 <= value <= (top if name != "sweep_runs" else 10_000):
-                raise ValueError(f"{SETTINGS[name][0]} is out of range, got {value}")
+                raise ValueError(f"{LIMIT_SETTINGS[name].name} is out of range, got {value}")
         if self.paths not in PATH_RULES:
-            raise ValueError(f"{SETTINGS['paths'][0]} must be one of {', '.join(PATH_RULES)}, got {self.paths!r}")
+            raise ValueError(f"{settings.PATHS.name} must be one of {', '.join(PATH_RULES)}, got {self.paths!r}")
         if self.session_jobs < 0 or not 0 <= self.upload_mb <= 10_000:
             raise ValueError("session jobs must be 0 or more and the upload limit 0-10000 MB")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> Limits:
-        """Hosted or local defaults, each overridden by its variable; a bad value is a ValueError naming it."""
-        hosted = is_hosted(env)
-        values = {}
-        for key, (name, local, remote) in SETTINGS.items():
-            default = remote if hosted else local
-            raw = env.get(name, "").strip()
-            if not raw:
-                values[key] = default
-                continue
-            try:
-                values[key] = raw.lower() if isinstance(default, str) else type(default)(float(raw))
-            except (ValueError, OverflowError):
-                raise ValueError(f"{name} must be {'a number' if not isinstance(default, str) else 'a word'}, "
-                                 f"got {raw!r}") from None
-        return cls(hosted=hosted, **values)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Limits:
+        """Hosted or local defaults, each overridden by its variable; a bad value is a ValueError naming it.
+
+        ``env``: the environment (None: this process's)."""
+        return cls(hosted=settings.hosted(env), **{key: s.read(env) for key, s in LIMIT_SETTINGS.items()})
 
     def over_budget(self, what: str) -> str:
         """The message for a run that the time budget ended."""

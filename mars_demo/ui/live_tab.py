@@ -18,7 +18,6 @@ turns on, so on a small CPU both go slower while both run.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
@@ -27,11 +26,12 @@ from html import escape
 
 import gradio as gr
 
+from .. import settings
 from ..engine.checkpoints.memory import trim_heap
 from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.loop import Detokenizer, StepEvent
 from ..engine.serving.loop import ServeConfig
-from ..engine.serving.shared import LIVE_POLICY, Busy, LiveRequest, LiveUpdate, SharedBatches, check_pace
+from ..engine.serving.shared import Busy, LiveRequest, LiveUpdate, SharedBatches
 from . import charts
 from .handlers import outputs
 from .messages import error, sentence, warning
@@ -58,24 +58,13 @@ class LiveState:
     view: LiveView | None = None  # what the request has streamed so far
 
 
-def batches_from_env(env: Mapping[str, str] = os.environ) -> SharedBatches:
+def batches_from_env(env: Mapping[str, str] | None = None) -> SharedBatches:
     """The shared batches with MARS_DEMO_LIVE_ROWS (default 4), _QUEUE (4), _POLICY (engine.live.LIVE_POLICY)
-    and _PACE (0: seconds a pass takes at least)."""
-    rows, waiting = env.get("MARS_DEMO_LIVE_ROWS", "4"), env.get("MARS_DEMO_LIVE_QUEUE", "4")
-    if not (rows.isdigit() and 1 <= int(rows) <= 16 and waiting.isdigit() and int(waiting) <= 64):
-        raise ValueError(
-            f"MARS_DEMO_LIVE_ROWS must be 1-16 and MARS_DEMO_LIVE_QUEUE 0-64, got {rows!r} and {waiting!r}"
-        )
-    pace = env.get("MARS_DEMO_LIVE_PACE", "0")
-    try:
-        seconds = float(pace)
-        check_pace(seconds)
-    except ValueError:
-        raise ValueError(f"MARS_DEMO_LIVE_PACE must be 0-1 seconds, got {pace!r}") from None
-    rows, waiting = int(rows), int(waiting)
+    and _PACE (0: seconds a pass takes at least); a bad value is a ValueError naming it. None: this process's."""
+    rows = settings.LIVE_ROWS.read(env)
     return SharedBatches(ServeConfig(max_batch=rows, max_new_tokens=LIVE_NEW_TOKENS),
-                         policy=env.get("MARS_DEMO_LIVE_POLICY", LIVE_POLICY), max_queue=waiting, idle=30.0,
-                         pace=seconds)
+                         policy=settings.LIVE_POLICY.read(env), max_queue=settings.LIVE_QUEUE.read(env), idle=30.0,
+                         pace=settings.LIVE_PACE.read(env))
 
 
 class LiveView:

@@ -23,7 +23,6 @@ is ``engine.memory.check_fits``: a model that would not fit in the free memory o
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -32,15 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.backends.cpu.paths import PRECISION_ENV, PRECISIONS, check_precision
+from .. import settings
+from ..engine.backends.cpu.paths import PRECISIONS
 from ..engine.checkpoints.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
 
 logger = logging.getLogger(__name__)
 
 Loader = Callable[[str, str | None], LoadedModel]  # (spec, precision) -> model on that compute path
 Key = tuple[str, str | None]  # (spec, precision): one entry per checkpoint and compute path
-LOCAL_HOSTS = ("", "127.0.0.1", "localhost", "::1")
-THREADS_ENV = "MARS_DEMO_THREADS"
 
 
 class ModelRefused(ValueError):
@@ -51,43 +49,32 @@ class ModelBusy(RuntimeError):
     """Every model slot is in use by a run: loading another would drop a model someone is decoding with."""
 
 
-def is_hosted(env: Mapping[str, str] = os.environ) -> bool:
-    """A Space, or a server bound beyond this machine (GRADIO_SERVER_NAME not a local address)."""
-    return bool(env.get("SPACE_ID")) or env.get("GRADIO_SERVER_NAME", "") not in LOCAL_HOSTS
-
-
 def decoding_threads(
-    env: Mapping[str, str] = os.environ, threads: int | None = None, gpu: bool | None = None
+    env: Mapping[str, str] | None = None, threads: int | None = None, gpu: bool | None = None
 ) -> tuple[int | None, str]:
     """The torch threads the app decodes on (None: leave torch's count), and why a set value was not used.
 
     MARS_DEMO_THREADS: a number of threads, or auto (the default). Auto, served only on this machine
-    (not hosted, see ``is_hosted``) on a CPU: every visitor's browser runs on the same cores, and a
+    (not ``settings.hosted``) on a CPU: every visitor's browser runs on the same cores, and a
     decoding team on all of them waits at its barriers whenever the browser takes one, a cost per
     pass that flatters the race's side with more tokens a pass; so one core is left to the browser
     (docs/bench/history.md, "Browser race, session 19"). Hosted, on a GPU or with OMP_NUM_THREADS set,
-    torch's count (``threads``, default ``torch.get_num_threads()``) stands.
+    torch's count (``threads``, default ``torch.get_num_threads()``) stands. ``env``: None, this process's.
     """
-    raw, note = env.get(THREADS_ENV, "").strip(), ""
-    if raw and raw.lower() != "auto":
-        if raw.isdigit() and 1 <= int(raw) <= 1024:
-            return int(raw), ""
-        note = f"{THREADS_ENV} must be auto or a number of threads from 1, got {raw!r}; using auto"
+    chosen, note = settings.THREADS.read_or_default(env)
+    if chosen is not None:
+        return chosen, note
     gpu = torch.cuda.is_available() if gpu is None else gpu
-    if is_hosted(env) or gpu or env.get("OMP_NUM_THREADS"):
+    if settings.hosted(env) or gpu or settings.OMP_NUM_THREADS.read(env):
         return None, note
     threads = threads or torch.get_num_threads()
     return (threads - 1 if threads > 1 else None), note
 
 
-def is_online(env: Mapping[str, str] = os.environ) -> bool:
-    return env.get("HF_HUB_OFFLINE", "0").lower() in ("0", "", "false", "no")
-
-
 def model_choices(online: bool | None = None, extra: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(label, spec) for the model picker: the bundled default first, the released checkpoints when online."""
     if online is None:
-        online = is_online()
+        online = not settings.HF_HUB_OFFLINE.read()
     choices = [
         (f"{BUNDLED} · bundled", BUNDLED),
         (f"{BUNDLED_BASE} · base, no adapter", BUNDLED_BASE),
@@ -105,10 +92,10 @@ class ModelPolicy:
     free: bool = False
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> ModelPolicy:
-        extra = tuple(s.strip() for s in env.get("MARS_DEMO_EXTRA_MODELS", "").split(",") if s.strip())
-        free = env.get("MARS_DEMO_ANY_MODEL", "0" if is_hosted(env) else "1").lower() in ("1", "true", "yes", "on")
-        return cls(tuple(model_choices(is_online(env), extra)), free)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ModelPolicy:
+        """MARS_DEMO_EXTRA_MODELS and MARS_DEMO_ANY_MODEL (off by default when hosted); None: this process's."""
+        online = not settings.HF_HUB_OFFLINE.read(env)
+        return cls(tuple(model_choices(online, settings.EXTRA_MODELS.read(env))), settings.ANY_MODEL.read(env))
 
     @property
     def specs(self) -> tuple[str, ...]:
@@ -130,14 +117,10 @@ class ModelPolicy:
         raise ModelRefused(self.refusal)
 
 
-def default_compute_path(env: Mapping[str, str] = os.environ) -> tuple[str, str]:
+def default_compute_path(env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """The sidebar's first compute path: MARS_DEMO_PRECISION when it names one, else auto; and, for a
-    value that names none, why it was not used (checked by ``kernels.check_precision``, as ``--precision`` is)."""
-    raw = env.get(PRECISION_ENV, "").strip()
-    try:
-        return check_precision(raw or "auto"), ""
-    except ValueError as err:
-        return "auto", f"{PRECISION_ENV}: {err}; using auto"
+    value that names none, why it was not used. ``env``: None, this process's."""
+    return settings.PRECISION.read_or_default(env)
 
 
 COMPUTE_CHOICES = PRECISIONS  # auto, fp32, bf16, int8, int8dyn

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import settings
 from ..engine.checkpoints.loading import BUNDLED
 from ..engine.decoding.config import DecodeConfig
 from ..engine.decoding.loop import LiveTau, StepEvent
@@ -26,8 +27,8 @@ from ..engine.decoding.metrics import Rates, speedup
 SIDES = ("mars", "ar")
 # The app's default for LaneCadence: a view per quarter second of each side's own decoding, about
 # four a second (MARS_DEMO_VIEW_EVERY; docs/bench/history.md, "The UI's cost per lane").
-VIEW_EVERY = 0.25
-VIEW_SETTLE = 0.1  # and the seconds the race waits after a view, off both clocks, while it is sent and drawn
+VIEW_EVERY = settings.VIEW_EVERY.default  # 0.25
+VIEW_SETTLE = settings.VIEW_SETTLE.default  # and the seconds the race waits after a view, off both clocks (0.1)
 CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences")
 
 

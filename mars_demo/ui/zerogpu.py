@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from collections.abc import Callable, Mapping
 
 import torch
 
+from .. import settings
 from ..engine.checkpoints.loading import LoadedModel, default_precision, load_model
 
 logger = logging.getLogger(__name__)
@@ -28,9 +28,9 @@ RUN_SECONDS = 60  # most GPU seconds one race asks for (a 7B race of 256 tokens 
 SWEEP_SECONDS = 180  # a sweep decodes every prompt at every tau
 
 
-def on_zero_gpu(env: Mapping[str, str] = os.environ) -> bool:
-    """True on a ZeroGPU Space (the platform sets SPACES_ZERO_GPU)."""
-    return env.get("SPACES_ZERO_GPU", "").strip().lower() in ("1", "t", "true")
+def on_zero_gpu(env: Mapping[str, str] | None = None) -> bool:
+    """True on a ZeroGPU Space (the platform sets SPACES_ZERO_GPU); ``env``: None, this process's."""
+    return settings.SPACES_ZERO_GPU.read(env)
 
 
 def gpu_handler(fn: Callable, duration: int = RUN_SECONDS) -> Callable:

@@ -12,18 +12,17 @@ need the hub. The message names no host fact (no path, no address).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from ... import settings
 from .loading import BUNDLED, BUNDLED_BASE, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "MARS_DEMO_HUB_TIMEOUT"
 REMEMBER = 30.0  # seconds a probe's answer is kept
 HUB_DOWN = "The model hub cannot be reached from this server right now, so that model cannot be loaded: " \
            "pick one of the bundled models."
@@ -43,8 +42,9 @@ def is_hub_id(spec: str) -> bool:
         return True
 
 
-def offline(env: Mapping[str, str] = os.environ) -> bool:
-    return env.get("HF_HUB_OFFLINE", "0").strip().lower() not in ("0", "", "false", "no", "off")
+def offline(env: Mapping[str, str] | None = None) -> bool:
+    """huggingface_hub's offline mode (HF_HUB_OFFLINE); ``env``: None, this process's."""
+    return settings.HF_HUB_OFFLINE.read(env)
 
 
 def in_local_cache(spec: str) -> bool:
@@ -57,12 +57,12 @@ def in_local_cache(spec: str) -> bool:
         return False
 
 
-def timeout(env: Mapping[str, str] = os.environ) -> float:
-    try:
-        seconds = float(env.get(TIMEOUT_ENV, "3"))
-    except ValueError:
-        return 3.0
-    return seconds if 0 < seconds <= 60 else 3.0
+def timeout(env: Mapping[str, str] | None = None) -> float:
+    """Seconds the probe waits (MARS_DEMO_HUB_TIMEOUT); a value that cannot be read is logged, the default used."""
+    seconds, problem = settings.HUB_TIMEOUT.read_or_default(env)
+    if problem:
+        logger.warning("%s", problem)
+    return seconds
 
 
 def _probe(seconds: float) -> bool:
@@ -84,7 +84,7 @@ class _Reach:
     ok = True
 
 
-def reachable(probe: Callable[[float], bool] = _probe, env: Mapping[str, str] = os.environ) -> bool:
+def reachable(probe: Callable[[float], bool] = _probe, env: Mapping[str, str] | None = None) -> bool:
     """Whether the hub answers, probed at most once per ``REMEMBER`` seconds (offline mode: never asked)."""
     if offline(env):
         return False
@@ -94,7 +94,7 @@ def reachable(probe: Callable[[float], bool] = _probe, env: Mapping[str, str] = 
         return _Reach.ok
 
 
-def check_hub(spec: str, probe: Callable[[float], bool] = _probe, env: Mapping[str, str] = os.environ) -> None:
+def check_hub(spec: str, probe: Callable[[float], bool] = _probe, env: Mapping[str, str] | None = None) -> None:
     """Raise ``HubUnreachable`` at once for a hub id that needs the hub when the hub cannot be reached."""
     spec = spec.strip()
     if not is_hub_id(spec) or in_local_cache(spec):

@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..backends.cpu.paths import PRECISION_ENV
+from ... import settings
 from .loading import BUNDLED, BUNDLED_BASE, RELEASED, ModelLoadError, cache_dir
 
 logger = logging.getLogger(__name__)
@@ -52,10 +52,9 @@ BYTES_PER_PARAM = 4  # fp32: what load_model uses on a CPU
 LOAD_FACTORS = {"fp32": 1.1, "bf16": 1.5, "int8": 1.5, "int8dyn": 2.1, "auto": 2.5}
 LOAD_FACTOR = max(LOAD_FACTORS.values())  # a path that cannot be told
 SMOLLM2_135M_PARAMS = 134_515_008  # the bundled base (header of its converted weights)
-MARGIN_ENV = "MARS_DEMO_MEMORY_MARGIN_MB"
+MARGIN_ENV = settings.MEMORY_MARGIN_MB.name
 WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")
 GB = 2**30
-TRIM_ENV = "MARS_DEMO_MALLOC_TRIM"  # seconds between trims after runs (default 5); 0 turns it off
 
 
 class ModelTooLarge(ModelLoadError):
@@ -172,7 +171,7 @@ def parameter_count(spec: str, _depth: int = 0) -> int | None:
 def load_factor(precision: str | None = None) -> float:
     """``LOAD_FACTORS`` for ``precision``; None: the loader's default (MARS_DEMO_PRECISION, else auto)."""
     if precision is None:
-        precision = os.environ.get(PRECISION_ENV, "").strip() or "auto"
+        precision, _ = settings.PRECISION.read_or_default()  # a bad value: the loader refuses it, with its message
     return LOAD_FACTORS.get(precision, LOAD_FACTOR)
 
 
@@ -181,10 +180,11 @@ def needed_bytes(params: int, precision: str | None = None) -> int:
 
 
 def margin_bytes() -> int:
-    try:
-        return int(float(os.environ.get(MARGIN_ENV, "1024")) * 2**20)
-    except ValueError:
-        return 2**30
+    """MARS_DEMO_MEMORY_MARGIN_MB in bytes; a value that cannot be read is logged, the default used."""
+    mb, problem = settings.MEMORY_MARGIN_MB.read_or_default()
+    if problem:
+        logger.warning("%s", problem)
+    return int(mb * 2**20)
 
 
 def check_fits(spec: str, available: int | None = None, *, precision: str | None = None) -> None:
@@ -230,10 +230,9 @@ def trim_heap(every: float | None = None) -> bool:
     Returns whether it trimmed; a no-op where the C library has no malloc_trim (musl, macOS).
     """
     if every is None:
-        try:
-            every = float(os.environ.get(TRIM_ENV, "5"))
-        except ValueError:
-            every = 5.0
+        every, problem = settings.MALLOC_TRIM.read_or_default()
+        if problem:
+            logger.warning("%s", problem)
     trim = _malloc_trim() if every > 0 else None
     if trim is None:
         return False
