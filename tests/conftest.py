@@ -12,7 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from mars_demo.engine.backends.cpu import native_layers
-from mars_demo.engine.checkpoints.loading import LoadedModel, ModelLoadError, resolve_meta
+from mars_demo.engine.checkpoints.loading import ModelLoadError, resolve_meta
+from mars_demo.engine.model import LoadedModel
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

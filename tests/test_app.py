@@ -142,13 +142,13 @@ def test_tau_set_mid_run_is_used_from_the_next_pass(handlers, full_window):
     assert all(s.tau == 0.0 for s in mars[1:])
     # at tau = 0 every candidate a pass offers is accepted: whole blocks. The tiny model has no
     # measured compute path, so "auto" (the checkbox off) sets no cap either.
-    assert resolve_max_fed(DecodeConfig().max_fed, handlers_model(handlers)) is None
+    assert resolve_max_fed(DecodeConfig().max_fed, handlers_lm(handlers).compute) is None
     assert [len(s.token_ids) for s in mars[1:-1]] == [4] * (len(mars) - 2)
     assert session.trace.to_json()["sides"]["mars"]["passes"][1]["tau"] == 0.0
 
 
-def handlers_model(handlers):
-    return handlers.models._loader(BUNDLED).model
+def handlers_lm(handlers):
+    return handlers.models._loader(BUNDLED)
 
 
 def test_two_sessions_keep_their_own_tau(handlers):

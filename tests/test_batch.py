@@ -43,9 +43,9 @@ def _ids(lm, prompts=MIXED) -> list[list[int]]:
 
 def _decode(lm, ids, scheme, tau, *, block_size=4, max_new=NEW, stop=None):
     return collect_batch(decode_batch(
-        lm.model, ids, scheme=scheme, block_size=block_size, mask_id=lm.meta.mask_token_id,
-        pad_id=lm.tokenizer.pad_token_id, tau=LiveTau(tau), max_new_tokens=max_new,
-        stop_ids=eos_ids(lm.model, lm.tokenizer) if stop is None else stop,
+        lm.backend, ids, DecodeConfig(max_new_tokens=max_new), scheme=scheme, block_size=block_size,
+        mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id, tau=LiveTau(tau),
+        stop_ids=eos_ids(lm.backend, lm.tokenizer) if stop is None else stop,
     ))
 
 
@@ -58,7 +58,7 @@ def _greedy(lm, ids: list[int], max_new: int = NEW) -> list[int]:
 
 def _reference(lm, ids, scheme, tau, block_size=4, max_new=NEW, stop=None):
     decode = reference_block_decode if scheme == "block" else reference_decode
-    stop = eos_ids(lm.model, lm.tokenizer) if stop is None else stop
+    stop = eos_ids(lm.backend, lm.tokenizer) if stop is None else stop
     return decode(lm.model, ids, block_size=block_size, mask_id=lm.meta.mask_token_id, tau=tau,
                   max_new_tokens=max_new, stop_ids=stop)[0]
 
@@ -78,7 +78,7 @@ def test_tau_one_equals_greedy_ar_per_row(tiny_lm, scheme):
 
 def test_ar_mode_batch_equals_greedy(tiny_qwen):
     ids = _ids(tiny_qwen)
-    events = stream_batch(tiny_qwen.model, tiny_qwen.tokenizer, ids, DecodeConfig(mode="ar", max_new_tokens=NEW),
+    events = stream_batch(tiny_qwen.backend, tiny_qwen.tokenizer, ids, DecodeConfig(mode="ar", max_new_tokens=NEW),
                           mask_id=tiny_qwen.meta.mask_token_id, block_size=4)
     result = collect_batch(events)
     assert all(e.fed == 1 for e in result.events[1:])  # window 1: no masks, one token per row
@@ -163,8 +163,8 @@ def test_events_add_up_to_the_totals(tiny_qwen, scheme):
 def test_tau_is_read_before_every_pass(tiny_llama, scheme):
     tau = LiveTau(1.0)
     events = decode_batch(
-        tiny_llama.model, _ids(tiny_llama), scheme=scheme, block_size=4, mask_id=tiny_llama.meta.mask_token_id,
-        pad_id=tiny_llama.tokenizer.pad_token_id, tau=tau, max_new_tokens=NEW, stop_ids=set(),
+        tiny_llama.backend, _ids(tiny_llama), DecodeConfig(max_new_tokens=NEW), scheme=scheme, block_size=4,
+        mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id, tau=tau, stop_ids=set(),
     )
     seen = []
     for event in events:
@@ -192,7 +192,7 @@ def test_bad_input_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="empty"):
         generate_batch(tiny_llama, ["hello", "  "])
     with pytest.raises(ValueError, match="scheme"):
-        decode_batch(tiny_llama.model, [[1, 2]], scheme="nope")
+        decode_batch(tiny_llama.backend, [[1, 2]], DecodeConfig(), scheme="nope")
     with pytest.raises(ValueError, match="stop strings"):
         generate_batch(tiny_llama, ["hello"], DecodeConfig(stop=("x",)))
     for scheme in SCHEMES:
@@ -213,10 +213,10 @@ def test_token_scheme_rows_equal_the_cached_single_sequence_decoder(tiny_qwen):
 
     ids = _ids(tiny_qwen)
     config = DecodeConfig(tau=0.2, max_new_tokens=NEW, max_fed=None)  # batch passes take no cap
-    batch = collect_batch(stream_batch(tiny_qwen.model, tiny_qwen.tokenizer, ids, config,
+    batch = collect_batch(stream_batch(tiny_qwen.backend, tiny_qwen.tokenizer, ids, config,
                                        mask_id=tiny_qwen.meta.mask_token_id, block_size=4, scheme="token"))
     for row, prompt in zip(batch.token_ids, ids):
-        alone = collect(stream(tiny_qwen.model, tiny_qwen.tokenizer, prompt, config,
+        alone = collect(stream(tiny_qwen.backend, tiny_qwen.tokenizer, prompt, config,
                                mask_id=tiny_qwen.meta.mask_token_id, block_size=4))
         assert row == alone.token_ids
 
@@ -226,9 +226,9 @@ def test_token_scheme_feeds_no_masks_at_tau_one(tiny_llama):
     ids = _ids(tiny_llama)
     live = LiveTau(1.0)
     events = list(decode_batch(
-        tiny_llama.model, ids, scheme="token", block_size=4, mask_id=tiny_llama.meta.mask_token_id,
-        pad_id=tiny_llama.tokenizer.pad_token_id, tau=live, max_new_tokens=8,
-        stop_ids=eos_ids(tiny_llama.model, tiny_llama.tokenizer),
+        tiny_llama.backend, ids, DecodeConfig(max_new_tokens=8), scheme="token", block_size=4,
+        mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id, tau=live,
+        stop_ids=eos_ids(tiny_llama.backend, tiny_llama.tokenizer),
     ))
     assert all(e.fed == 1 for e in events[1:])
 
@@ -238,8 +238,9 @@ def _scheduled(lm, ids, scheme, schedule, max_new=NEW):
     tau = LiveTau(schedule[0])
     events = []
     for event in decode_batch(
-        lm.model, ids, scheme=scheme, block_size=4, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
-        tau=tau, max_new_tokens=max_new, stop_ids=eos_ids(lm.model, lm.tokenizer),
+        lm.backend, ids, DecodeConfig(max_new_tokens=max_new), scheme=scheme, block_size=4,
+        mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id, tau=tau,
+        stop_ids=eos_ids(lm.backend, lm.tokenizer),
     ):
         events.append(event)
         tau.set(schedule[(event.index + 1) % len(schedule)])

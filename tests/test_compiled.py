@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from mars_demo.engine.backends.compiled import compiled_forward, enable_compiled_decoding, new_cache, rewind
-from mars_demo.engine.checkpoints.loading import LoadedModel
+from mars_demo.engine.backends.hf import HFCache, TransformersBackend, compile_passes
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import collect, generate
+from mars_demo.engine.model import LoadedModel
 
 from conftest import PROMPTS, make_lm
 
@@ -32,8 +32,9 @@ CONFIGS = {
 def pair() -> tuple[LoadedModel, LoadedModel]:
     plain = make_lm("llama")
     model = copy.deepcopy(plain.model)
-    enable_compiled_decoding(model, backend="eager")
-    return plain, LoadedModel(model=model, tokenizer=plain.tokenizer, meta=plain.meta, name="tiny-llama-compiled")
+    compiled = LoadedModel(model=model, tokenizer=plain.tokenizer, meta=plain.meta, name="tiny-llama-compiled")
+    compiled.chosen = compile_passes(model, backend="eager")
+    return plain, compiled
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -50,22 +51,24 @@ def test_compiled_decodes_like_eager(pair, name):
 
 def test_static_cache_only_when_compiled(pair):
     plain, compiled = pair
-    assert compiled_forward(plain.model) is None and isinstance(new_cache(plain.model, 32), DynamicCache)
-    assert isinstance(new_cache(compiled.model, 32), StaticCache)
+    assert isinstance(plain.backend, TransformersBackend) and plain.backend.compiled is None
+    assert isinstance(plain.backend.new_cache(32).inner, DynamicCache)
+    assert isinstance(compiled.backend.new_cache(32).inner, StaticCache)
+    assert isinstance(compiled.backend.new_cache().inner, DynamicCache)  # no size: verifying passes
 
 
 def test_rewind_moves_the_static_write_position_back(pair):
     plain, _ = pair
-    cache = StaticCache(config=plain.model.config, max_cache_len=16)
+    cache = HFCache(StaticCache(config=plain.model.config, max_cache_len=16))
     with torch.no_grad():
-        plain.model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=cache, use_cache=True)
+        plain.model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=cache.inner, use_cache=True)
     assert int(cache.get_seq_length()) == 5
-    rewind(cache, 2)
+    cache.crop(2)
     assert int(cache.get_seq_length()) == 3
-    dynamic = DynamicCache(config=plain.model.config)
+    dynamic = HFCache(DynamicCache(config=plain.model.config))
     with torch.no_grad():
-        plain.model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=dynamic, use_cache=True)
-    rewind(dynamic, 2)
+        plain.model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=dynamic.inner, use_cache=True)
+    dynamic.crop(2)
     assert dynamic.get_seq_length() == 3
 
 

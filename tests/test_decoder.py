@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from mars_demo.engine.backends.cpu import int8gemm, lean, native_layers
+from mars_demo.engine.backends import CpuBackend, backend_for
+from mars_demo.engine.backends.cpu import attention, int8gemm, lean, native_layers
+from mars_demo.engine.backends.cpu.cache import SLACK
 from mars_demo.engine.backends.cpu.paths import convert, token_ids
 
 from conftest import PROMPTS, make_lm
@@ -16,17 +17,19 @@ pytestmark = pytest.mark.skipif(native_layers.kernel() is None, reason="no C++ c
 
 
 def int8dyn(arch: str, native: bool, monkeypatch):
-    """The tiny model on int8dyn, its lean forward on the native layers or on the torch layers."""
+    """The tiny model on int8dyn, its CPU engine (``lm.backend``) on the native layers or on the torch layers."""
     if not native:
         monkeypatch.setenv(native_layers.DECODER_ENV, "0")
     native_layers.kernel.cache_clear()
     try:
         lm = make_lm(arch)
         convert(lm.model, "int8dyn", smoothing=token_ids(lm.tokenizer, PROMPTS))
+        backend = lm.backend  # built here, while the switch holds; kept by lm while the weights stay
     finally:
         monkeypatch.delenv(native_layers.DECODER_ENV, raising=False)
         native_layers.kernel.cache_clear()
-    assert (lm.model.forward.native is not None) == native
+    assert isinstance(backend, CpuBackend) and lm.backend is backend
+    assert backend.native == native and (backend.lean.native is not None) == native
     return lm
 
 
@@ -34,23 +37,28 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def held(cache, part: int) -> list[torch.Tensor]:
+    """Each layer's keys (0) or values (1) the cache holds."""
+    return [pair[part][:, :, : cache.get_seq_length()] for pair in cache.buffers]
+
+
 def cached_passes(lm) -> list[torch.Tensor]:
     """A prefill longer than 16 rows, a one-token pass, a MARS-wide pass, a two-token pass, on one cache."""
     mask = lm.meta.mask_token_id
     prompt = lm.tokenizer(" ".join(PROMPTS)).input_ids
-    assert len(prompt) > lean.ROW_EXACT_ROWS
-    cache, out = DynamicCache(config=lm.model.config), []
+    assert len(prompt) > attention.ROW_EXACT_ROWS
+    backend = lm.backend
+    cache, out = backend.new_cache(), []
     with torch.inference_mode():
         for fed in (prompt, [7], [8, mask, mask, mask], [9, 10]):
-            out.append(lm.model(input_ids=torch.tensor([fed]), past_key_values=cache, use_cache=True).logits)
-    held = [torch.stack([getattr(layer, part) for layer in cache.layers]) for part in ("keys", "values")]
-    return out + held
+            out.append(backend.forward(torch.tensor([fed]), cache, keep=0))
+    return out + [torch.stack(held(cache, part)) for part in (0, 1)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_native_layers_give_the_torch_layers_logits_and_cache_up_to_rounding(arch, monkeypatch):
     lm, calls = int8dyn(arch, True, monkeypatch), []
-    layers = lm.model.forward.native
+    layers = lm.backend.lean.native
     function = layers.function
     layers.function = lambda *a: calls.append(1) or function(*a)
     native = cached_passes(lm)
@@ -62,26 +70,24 @@ def test_the_native_layers_give_the_torch_layers_logits_and_cache_up_to_rounding
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_rows_output_does_not_depend_on_the_rows_fed_beside_it(arch, monkeypatch):
     lm = int8dyn(arch, True, monkeypatch)
-    model, mask = lm.model, lm.meta.mask_token_id
+    backend, mask = lm.backend, lm.meta.mask_token_id
     prompt = torch.tensor([lm.tokenizer(" ".join(PROMPTS)).input_ids])
     with torch.inference_mode():
         # a prefill with masks after the prompt (MARS, exact mode) and without (AR)
-        alone, masked = DynamicCache(config=model.config), DynamicCache(config=model.config)
-        a = model(input_ids=prompt, past_key_values=alone, use_cache=True).logits
-        b = model(input_ids=torch.cat([prompt, torch.tensor([[mask] * 3])], 1), past_key_values=masked,
-                  use_cache=True).logits
+        alone, masked = backend.new_cache(), backend.new_cache()
+        a = backend.forward(prompt, alone, keep=0)
+        b = backend.forward(torch.cat([prompt, torch.tensor([[mask] * 3])], 1), masked, keep=0)
         assert torch.equal(a, b[:, : prompt.shape[1]])
-        masked.crop(-3)
-        assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
-                   for x, y in zip(alone.layers, masked.layers))
+        masked.crop(3)
+        assert masked.get_seq_length() == alone.get_seq_length()
+        assert all(torch.equal(x, y) for part in (0, 1) for x, y in zip(held(alone, part), held(masked, part)))
         # a four-token pass and four one-token passes
         fed = torch.tensor([[5, 6, 7, 8]])
-        wide = model(input_ids=fed, past_key_values=alone, use_cache=True).logits
-        one_by_one = [model(input_ids=fed[:, i : i + 1], past_key_values=masked, use_cache=True).logits
-                      for i in range(4)]
+        wide = backend.forward(fed, alone, keep=0)
+        one_by_one = [backend.forward(fed[:, i : i + 1], masked) for i in range(4)]
         assert torch.equal(wide, torch.cat(one_by_one, 1))
         # an uncached call
-        assert torch.equal(model(input_ids=prompt, use_cache=False).logits, a)
+        assert torch.equal(backend.forward(prompt, None, keep=0), a)
 
 
 def test_the_thread_count_changes_no_bits(monkeypatch):
@@ -101,101 +107,134 @@ def test_the_thread_count_changes_no_bits(monkeypatch):
 
 def test_a_left_padded_batchs_rows_equal_each_sequence_alone(monkeypatch):
     lm = int8dyn("qwen2", True, monkeypatch)
-    model = lm.model
+    backend = lm.backend
     batch = lm.tokenizer([PROMPTS[0], PROMPTS[2]], return_tensors="pt", padding=True, padding_side="left")
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp_min(0)
     width = batch.input_ids.shape[1]
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        both = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions,
-                     past_key_values=cache, use_cache=True).logits
+        cache = backend.new_cache()
+        both = backend.forward(batch.input_ids, cache, positions=positions, mask=batch.attention_mask, keep=0)
         fed = torch.tensor([[5, 6], [7, 8]])
         step_mask = torch.cat([batch.attention_mask, torch.ones(2, 2, dtype=torch.long)], 1)
-        step = model(input_ids=fed, attention_mask=step_mask, position_ids=positions[:, -1:] + torch.tensor([[1, 2]]),
-                     past_key_values=cache, use_cache=True, logits_to_keep=2).logits
+        step = backend.forward(fed, cache, positions=positions[:, -1:] + torch.tensor([[1, 2]]), mask=step_mask,
+                               keep=2)
         for row in range(2):
             length = int(batch.attention_mask[row].sum())
             ids = batch.input_ids[row : row + 1, width - length :]
-            own = DynamicCache(config=model.config)
-            assert torch.equal(model(input_ids=ids, past_key_values=own, use_cache=True).logits,
-                               both[row : row + 1, width - length :])
-            assert torch.equal(model(input_ids=fed[row : row + 1], past_key_values=own, use_cache=True).logits,
-                               step[row : row + 1])
+            own = backend.new_cache()
+            assert torch.equal(backend.forward(ids, own, keep=0), both[row : row + 1, width - length :])
+            assert torch.equal(backend.forward(fed[row : row + 1], own, keep=0), step[row : row + 1])
 
 
-def test_the_buffers_grow_crop_and_survive_a_replaced_cache(monkeypatch):
+def test_the_buffers_grow_crop_and_survive_a_reorder(monkeypatch):
+    """The native layers beside the torch layers on the same passes: growth past a buffer's room, crops (the
+    next pass overwrites), then rows selected (formerly a DynamicCache's tensors replaced from outside: the
+    engine's cache changes only through ``keep_rows``, new buffers the next pass must use)."""
     native, plain = int8dyn("llama", True, monkeypatch), int8dyn("llama", False, monkeypatch)
-    ids = torch.randint(10, 300, (1, lean.BUFFER_SLACK + 40))  # past the first buffer's room
+    backends = native.backend, plain.backend
+    ids = torch.randint(10, 300, (1, SLACK + 40))  # past the first buffer's room
     with torch.inference_mode():
-        caches = DynamicCache(config=native.model.config), DynamicCache(config=plain.model.config)
+        caches = tuple(b.new_cache() for b in backends)
+        first = None
         for start, stop in ((0, 30), (30, 200), (200, 230), (230, ids.shape[1])):
-            got, want = (lm.model(input_ids=ids[:, start:stop], past_key_values=c, use_cache=True, logits_to_keep=1)
-                         for lm, c in zip((native, plain), caches))
-            close(got.logits, want.logits)
+            got, want = (b.forward(ids[:, start:stop], c) for b, c in zip(backends, caches))
+            close(got, want)
+            first = caches[0].buffers[0][0] if first is None else first
             for cache in caches:
-                cache.crop(-3)  # the next pass overwrites the cropped columns of the buffer
-        assert caches[0].layers[0].keys.shape[-2] == ids.shape[1] - 12
+                cache.crop(3)  # the next pass overwrites the cropped columns of the buffer
+        assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1] - 12
+        assert caches[0].buffers[0][0].data_ptr() != first.data_ptr()  # it grew into a new buffer
         for cache in caches:
-            cache.batch_repeat_interleave(2)  # new tensors: the next pass copies them into new buffers
-        got, want = (lm.model(input_ids=torch.tensor([[5], [6]]), past_key_values=c, use_cache=True)
-                     for lm, c in zip((native, plain), caches))
-        close(got.logits, want.logits)
-        close(caches[0].layers[1].values, caches[1].layers[1].values)
+            cache.keep_rows(torch.tensor([0, 0]))  # new tensors: the native layers must write into them
+        got, want = (b.forward(torch.tensor([[5], [6]]), c) for b, c in zip(backends, caches))
+        close(got, want)
+        close(held(caches[0], 1)[1], held(caches[1], 1)[1])
 
 
-@pytest.mark.parametrize("replace", ["batch_repeat_interleave", "torch_update"])
-def test_a_lean_cache_decodes_as_a_dynamic_cache_does(replace, monkeypatch):
-    """The same bits on either cache through growth past a buffer's room, crops and tensors put in from outside."""
+@pytest.mark.parametrize("change", ["keep_rows", "stack_and_drop_front"])
+def test_a_changed_cache_decodes_as_a_fresh_one(change, monkeypatch):
+    """Formerly "a LeanCache decodes as a DynamicCache does" (the LeanCache is gone: the engine has one cache).
+
+    On the native layers, a CpuCache that grows past a buffer's room and is cropped, then has its rows changed
+    (``keep_rows``: a row repeated; ``stack`` and ``drop_front``: a row joining with left holes, then the other
+    leaving and the holes going), gives at every pass the bits of a fresh cache fed the columns it holds in one
+    prefill; the native layers' arrays of buffer addresses are made once per set of buffers, again when they change.
+    """
     lm = int8dyn("llama", True, monkeypatch)
-    model = lm.model
-    assert type(lean.new_cache(model)) is lean.LeanCache
-    ids = torch.randint(10, 300, (1, lean.BUFFER_SLACK + 40))
+    backend = lm.backend
+
+    def as_fresh(tokens: list[int], fed: torch.Tensor) -> torch.Tensor:
+        """``fed``'s logits after ``tokens`` on a fresh cache."""
+        fresh = backend.new_cache()
+        if tokens:
+            backend.forward(torch.tensor([tokens]), fresh)
+        return backend.forward(fed, fresh, keep=0)
+
+    ids = torch.randint(10, 300, (SLACK + 40,)).tolist()
     with torch.inference_mode():
-        caches = lean.new_cache(model), DynamicCache(config=model.config)
-        for start, stop in ((0, 30), (30, 31), (31, 35), (35, 200), (200, ids.shape[1])):
-            got, want = (model(input_ids=ids[:, start:stop], past_key_values=c, use_cache=True).logits for c in caches)
-            assert torch.equal(got, want)
-            for cache in caches:
-                cache.crop(-2)
-        lean_layer = caches[0].layers[-1]
-        assert type(lean_layer) is lean.LeanLayer and lean_layer._buffers is not None
-        assert caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1] - 10
-        assert torch.equal(lean_layer.keys, caches[1].layers[-1].keys)  # views made when read
-        memo = dict(caches[0].native_memo)
-        model(input_ids=ids[:, :1], past_key_values=caches[0], use_cache=True)
-        assert caches[0].native_memo["keys"] is memo["keys"]  # the same buffers: the same address arrays
-        caches[0].crop(-1)
-        for cache in caches:
-            if replace == "batch_repeat_interleave":  # new tensors assigned from outside
-                cache.batch_repeat_interleave(2)
-            else:  # DynamicLayer's own update (transformers' layers): concatenated tensors
-                for layer in cache.layers:
-                    layer.update(layer.keys[:, :, -1:], layer.values[:, :, -1:])
-        assert lean_layer._buffers is None and torch.equal(lean_layer.values, caches[1].layers[-1].values)
-        batch = 2 if replace == "batch_repeat_interleave" else 1
-        fed = torch.tensor([[5, 6]] * batch)
-        got, want = (model(input_ids=fed, past_key_values=c, use_cache=True).logits for c in caches)
-        assert torch.equal(got, want)
-        assert lean_layer._buffers is not None and caches[0].native_memo["keys"] is not memo["keys"]
+        cache, tokens, first = backend.new_cache(), [], None
+        for start, stop in ((0, 30), (30, 31), (31, 35), (35, 200), (200, len(ids))):
+            fed = torch.tensor([ids[start:stop]])
+            assert torch.equal(backend.forward(fed, cache, keep=0), as_fresh(tokens, fed)), (start, stop)
+            first = cache.buffers[0][0] if first is None else first
+            tokens += ids[start:stop]
+            cache.crop(2)
+            del tokens[-2:]
+        assert cache.get_seq_length() == len(tokens) == len(ids) - 10
+        assert cache.buffers[0][0].data_ptr() != first.data_ptr()  # it grew into a new buffer
+        memo = dict(cache.native_memo)
+        backend.forward(torch.tensor([ids[:1]]), cache)
+        assert cache.native_memo["keys"] is memo["keys"]  # the same buffers: the same address arrays
+        cache.crop(1)
+        fed = torch.tensor([[5, 6]])
+        if change == "keep_rows":  # a row repeated: new tensors
+            cache.keep_rows(torch.tensor([0, 0]))
+            got = backend.forward(fed.repeat(2, 1), cache, keep=0)
+            assert cache.native_memo["keys"] is not memo["keys"]
+            want = as_fresh(tokens, fed)
+            assert torch.equal(got[:1], want) and torch.equal(got[1:], want)
+            return
+        joining = [11, 12, 13, 14, 15, 16, 17]
+        other = backend.new_cache()
+        backend.forward(torch.tensor([joining]), other)
+        width = cache.get_seq_length()
+        holes = width - len(joining)
+        cache.stack(other, width)
+        mask = torch.ones(2, width + 2, dtype=torch.long)
+        mask[1, :holes] = 0
+        positions = torch.tensor([[width, width + 1], [len(joining), len(joining) + 1]])
+        both = torch.tensor([[5, 6], [7, 8]])
+        got = backend.forward(both, cache, positions=positions, mask=mask, keep=0)
+        assert cache.native_memo["keys"] is not memo["keys"]
+        assert torch.equal(got[:1], as_fresh(tokens, both[:1])) and torch.equal(got[1:], as_fresh(joining, both[1:]))
+        cache.keep_rows(torch.tensor([1]))  # the first row leaves; the holes every row has left go
+        cache.drop_front(holes)
+        assert cache.get_seq_length() == len(joining) + 2
+        fed = torch.tensor([[9]])
+        assert torch.equal(backend.forward(fed, cache, keep=0), as_fresh(joining + [7, 8], fed))
 
 
-def test_only_the_native_layers_get_a_lean_cache(torch_layers):
+def test_only_the_native_layers_run_where_they_are_built(torch_layers):
+    """Formerly "only the native layers get a lean cache": the engine has one cache (CpuCache) whatever runs
+    its layers; with the native decoder switched off, int8dyn's engine runs the torch layers."""
     lm = make_lm("llama")
     convert(lm.model, "int8dyn")
-    assert type(lean.new_cache(lm.model)) is DynamicCache
+    backend = backend_for(lm.model)
+    assert isinstance(backend, CpuBackend) and not backend.native and backend.lean.native is None
 
 
 def test_only_int8dyn_on_the_native_linear_gets_the_native_layers(monkeypatch):
     for path in ("fp32", "int8"):
         lm = make_lm("llama")
         convert(lm.model, path)
-        assert lean.installed(lm.model) and lm.model.forward.native is None
+        backend = CpuBackend(lm.model)  # fp32 too: the engine it decodes with on a measured path
+        assert not backend.native and backend.lean.native is None
     monkeypatch.setenv(int8gemm.INT8GEMM_ENV, "0")  # fbgemm's linears: no weights the layers can read
     int8gemm.kernel.cache_clear()
     try:
         lm = make_lm("llama")
         convert(lm.model, "int8dyn")
-        assert lm.model.forward.native is None
+        assert backend_for(lm.model).lean.native is None
     finally:
         monkeypatch.undo()
         int8gemm.kernel.cache_clear()
@@ -204,7 +243,7 @@ def test_only_int8dyn_on_the_native_linear_gets_the_native_layers(monkeypatch):
 def test_the_rope_table_gives_the_rotary_modules_values():
     lm = make_lm("llama")
     convert(lm.model, "int8dyn")
-    forward, x = lm.model.forward, torch.zeros(1, 1, lm.model.config.hidden_size)
+    forward, x = backend_for(lm.model).lean, torch.zeros(1, 1, lm.model.config.hidden_size)
     positions = torch.tensor([[0, 5, 6, 300], [2, 3, 4, lean.ROPE_TABLE_START + 7]])  # past the first table
     cos, sin = forward._rope(x, positions)
     want_cos, want_sin = forward.rotary(x, position_ids=positions)

@@ -35,12 +35,12 @@ def test_tau_one_equals_transformers_greedy(tiny_lm, mode):
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 @pytest.mark.parametrize("tau", [0.3, 0.7, 0.9])
 def test_cached_equals_uncached_reference(tiny_lm, tau, block_size, max_fed):
-    stop = eos_ids(tiny_lm.model, tiny_lm.tokenizer)
+    stop = eos_ids(tiny_lm.backend, tiny_lm.tokenizer)
     for prompt in PROMPTS:
         ids = prompt_ids(tiny_lm.tokenizer, prompt)
         config = DecodeConfig(tau=tau, block_size=block_size, max_new_tokens=MAX_NEW, max_fed=max_fed)
         ours = collect(
-            stream(tiny_lm.model, tiny_lm.tokenizer, ids, config, mask_id=tiny_lm.meta.mask_token_id, block_size=4)
+            stream(tiny_lm.backend, tiny_lm.tokenizer, ids, config, mask_id=tiny_lm.meta.mask_token_id, block_size=4)
         )
         expected, per_pass = reference_decode(
             tiny_lm.model, ids, block_size=block_size, mask_id=tiny_lm.meta.mask_token_id, tau=tau,

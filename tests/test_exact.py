@@ -44,10 +44,10 @@ def ar_ids(lm, prompt: str, max_new: int = MAX_NEW, **extra) -> list[int]:
 
 def passes(lm, prompt: str, block_size: int, tau: float = 1.0, max_new: int = MAX_NEW, stop_ids=None) -> list:
     ids = prompt_ids(lm.tokenizer, prompt)
+    config = DecodeConfig(mode="hybrid", tau=tau, max_new_tokens=max_new, max_fed=None)
     return list(decode_passes(
-        lm.model, ids, window=block_size, mask_id=lm.meta.mask_token_id, tau=LiveTau(tau), metric="probability",
-        temperature=0.0, max_new_tokens=max_new,
-        stop_ids=eos_ids(lm.model, lm.tokenizer) if stop_ids is None else stop_ids, verifying=True,
+        lm.backend, ids, config, window=block_size, mask_id=lm.meta.mask_token_id, tau=LiveTau(tau),
+        stop_ids=eos_ids(lm.backend, lm.tokenizer) if stop_ids is None else stop_ids,
     ))
 
 
@@ -85,11 +85,11 @@ def test_drafts_are_really_verified(lm):
 @pytest.mark.parametrize("block_size", BLOCKS)
 @pytest.mark.parametrize("tau", [1.0, 0.7, 0.3])
 def test_cached_equals_uncached_reference(lm, block_size, tau):
-    stop = eos_ids(lm.model, lm.tokenizer)
+    stop = eos_ids(lm.backend, lm.tokenizer)
     for prompt in PROMPTS:
         ids = prompt_ids(lm.tokenizer, prompt)
         config = DecodeConfig(mode="hybrid", tau=tau, block_size=block_size, max_new_tokens=MAX_NEW)
-        ours = collect(stream(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4))
+        ours = collect(stream(lm.backend, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4))
         expected, per_pass = reference_exact(
             lm.model, ids, block_size=block_size, mask_id=lm.meta.mask_token_id, tau=tau,
             max_new_tokens=MAX_NEW, stop_ids=stop,
@@ -184,10 +184,10 @@ def test_every_batch_row_equals_that_row_alone(lm, block_size, tau):
     mode = "exact" if tau == 1.0 else "hybrid"
     config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=MAX_NEW)
     batch = collect_batch(
-        stream_batch(lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4)
+        stream_batch(lm.backend, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4)
     )
     for r, row in enumerate(ids):
-        alone = collect(stream(lm.model, lm.tokenizer, row, config, mask_id=lm.meta.mask_token_id, block_size=4))
+        alone = collect(stream(lm.backend, lm.tokenizer, row, config, mask_id=lm.meta.mask_token_id, block_size=4))
         steps = [e.rows[r] for e in batch.events][: alone.stats.forward_passes]
         assert [s.token_ids for s in steps] == [s.token_ids for s in alone.steps]
         assert [s.origins for s in steps] == [s.origins for s in alone.steps]
@@ -224,23 +224,18 @@ def test_draft_depth_follows_the_cost_curve_and_the_drafts_held():
 def test_exact_on_a_linear_curve_feeds_one_token_passes_and_stays_exact(lm, monkeypatch):
     from mars_demo.engine.backends.cpu.paths import ComputePath
 
-    widths = []
-    hook = lm.model.register_forward_pre_hook(
-        lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
-    )
-    try:
-        config = DecodeConfig(mode="exact", block_size=4, max_new_tokens=MAX_NEW)
-        wide = [collect(generate(lm, prompt, config)).token_ids for prompt in PROMPTS]
-        wide_widths, widths[:] = widths[:], []
-        curve = ComputePath(path="fp32", requested="fp32", costs_ms={w: 10.0 * w for w in range(1, 9)})
-        monkeypatch.setattr(lm.model, "mars_compute", curve, raising=False)
-        narrow = [collect(generate(lm, prompt, config)).token_ids for prompt in PROMPTS]
-    finally:
-        hook.remove()
+    config = DecodeConfig(mode="exact", block_size=4, max_new_tokens=MAX_NEW)
+    wide_runs = [list(generate(lm, prompt, config)) for prompt in PROMPTS]
+    curve = ComputePath(path="fp32", requested="fp32", costs_ms={w: 10.0 * w for w in range(1, 9)})
+    monkeypatch.setattr(lm, "compute", curve)
+    narrow_runs = [list(generate(lm, prompt, config)) for prompt in PROMPTS]
+    wide = [collect(events).token_ids for events in wide_runs]
+    narrow = [collect(events).token_ids for events in narrow_runs]
     assert narrow == wide == [ar_ids(lm, prompt) for prompt in PROMPTS]
-    lengths = [len(prompt_ids(lm.tokenizer, p)) for p in PROMPTS]
-    prefill = set(lengths)  # the prompt alone: no draft pays where every token fed costs as much as a pass
-    assert {w for w in widths if w not in prefill} == {1} and max(wide_widths) > 3  # plain AR passes only
+    # after the prefill (the prompt alone: no draft pays where every token fed costs as much as a pass),
+    # plain AR passes only
+    assert {e.width for events in narrow_runs for e in events[1:]} == {1}
+    assert max(e.width for events in wide_runs for e in events) > 3
 
 
 def test_lookup_copies_what_followed_the_latest_earlier_match():

@@ -7,17 +7,20 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from mars_demo.cli import main
+from mars_demo.engine import progress
+from mars_demo.engine.backends import backend_for
 from mars_demo.engine.backends.cpu import paths
+from mars_demo.engine.backends.cpu.backend import CpuBackend
 from mars_demo.engine.backends.cpu.paths import activation_ranges, cap_from_costs, choose, convert, select, token_ids
 from mars_demo.engine.backends.cpu.quant import FusedSlice, Int8Linear, RowInt8Linear, fold_smoothing
-from mars_demo.engine.checkpoints import progress
 from mars_demo.engine.checkpoints.loading import ModelLoadError, default_precision
 from mars_demo.engine.decoding.batch import collect_batch, generate_batch
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig, resolve_max_fed
+from mars_demo.engine.decoding.exact import decode_rate
 from mars_demo.engine.decoding.loop import collect, generate
 
 from conftest import PROMPTS, make_lm
@@ -30,13 +33,14 @@ def on_path(arch: str, path: str, smoothed: bool = False):
 
 
 def first_row_logits(model, prompt: list[int], fed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of the last prompt token's position fed alone, and fed with ``fed`` after it."""
+    """Logits of the last prompt token's position fed alone, and fed with ``fed`` after it, as ``model`` decodes."""
+    backend = backend_for(model)
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
-        alone = model(input_ids=torch.tensor([prompt[-1:]]), past_key_values=cache, use_cache=True).logits[0, 0]
-        cache.crop(-1)
-        wide = model(input_ids=torch.tensor([prompt[-1:] + fed]), past_key_values=cache, use_cache=True).logits[0, 0]
+        cache = backend.new_cache()
+        backend.forward(torch.tensor([prompt[:-1]]), cache)
+        alone = backend.forward(torch.tensor([prompt[-1:]]), cache)[0, 0]
+        cache.crop(1)
+        wide = backend.forward(torch.tensor([prompt[-1:] + fed]), cache, keep=len(fed) + 1)[0, 0]
     return alone, wide
 
 
@@ -71,10 +75,10 @@ def test_mars_at_tau_one_and_teacher_forced_wide_passes_equal_ar_on_every_path(t
         # the AR tokens fed in one wide pass: every position's argmax is the next AR token
         ids = prompt_ids(lm.tokenizer, prompt)
         with torch.inference_mode():
-            cache = DynamicCache(config=lm.model.config)
-            lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+            cache = lm.backend.new_cache()
+            lm.backend.forward(torch.tensor([ids]), cache)
             fed = ar.token_ids[:8]
-            wide = lm.model(input_ids=torch.tensor([fed]), past_key_values=cache, use_cache=True).logits[0]
+            wide = lm.backend.forward(torch.tensor([fed]), cache, keep=0)[0]
         assert wide[:-1].argmax(-1).tolist() == ar.token_ids[1:8]
 
 
@@ -100,14 +104,15 @@ def test_auto_picks_the_fastest_path_that_keeps_quality():
     assert choose({"fp32": {"costs_ms": {"1": 9, "2": 9}, "dnll": 0.0}}) == "fp32"  # JSON keys are strings
     # one sequence: a flat curve's exact decoding beats a slightly cheaper one-token pass ...
     table["int8dyn"] = {"costs_ms": curve(22, 0.5), "dnll": 0.01}
-    assert choose(table) == "int8dyn"
-    assert paths.decode_rate(curve(22, 0.5), 4) > 1 / 20  # its exact decoding beats int8's AR
+    assert choose(table) == "int8"  # by AR's rate alone (the default)
+    assert choose(table, rate=decode_rate) == "int8dyn"
+    assert decode_rate(curve(22, 0.5), 4) > 1 / 20  # its exact decoding beats int8's AR
     # ... but not a much dearer one, and AR's rate is the floor of a steep curve
     table["int8dyn"]["costs_ms"] = curve(40, 0.5)
-    assert choose(table) == "int8"
-    assert paths.decode_rate(curve(20, 30), 4) == 1 / 20
+    assert choose(table, rate=decode_rate) == "int8"
+    assert decode_rate(curve(20, 30), 4) == 1 / 20
     table["int8dyn"] = {"costs_ms": curve(22, 0.5), "dnll": 0.04}
-    assert choose(table) == "int8"
+    assert choose(table, rate=decode_rate) == "int8"
 
 
 def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, monkeypatch):
@@ -136,7 +141,8 @@ def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, m
 def test_a_curve_takes_at_least_its_rounds_and_more_while_time_is_left(monkeypatch):
     lm = make_lm("llama")
     passes = []
-    lm.model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    real = CpuBackend.forward  # the backend a path decodes on: its passes are what is timed
+    monkeypatch.setattr(CpuBackend, "forward", lambda self, *args, **kw: passes.append(1) or real(self, *args, **kw))
     costs = paths.pass_costs(lm.model, range(1, 3), context=8, reps=1, seconds=0)
     assert len(passes) == 1 + 2 * 3 and set(costs) == {1, 2}  # the prompt, then 2 widths x (1 + 2 warm-up) rounds
     passes.clear()
@@ -248,10 +254,10 @@ def test_a_named_path_is_applied_and_measured_alone(tmp_path):
     compute = select(lm.model, lm.tokenizer, "int8", block_size=4, table_dir=tmp_path)
     assert compute.path == "int8" and compute.candidates == {}
     assert any(isinstance(m, Int8Linear) for m in lm.model.modules())
-    lm.model.mars_compute = compute
-    assert resolve_max_fed("auto", lm.model) == compute.max_fed
-    assert resolve_max_fed(5, lm.model) == 5
-    assert resolve_max_fed("auto", make_lm("qwen2").model) is None  # nothing measured: the paper's window
+    lm.compute = compute
+    assert resolve_max_fed("auto", lm.compute) == compute.max_fed
+    assert resolve_max_fed(5, lm.compute) == 5
+    assert resolve_max_fed("auto", make_lm("qwen2").compute) is None  # nothing measured: the paper's window
 
 
 def test_bad_precision_is_one_line_and_exit_2(capsys, monkeypatch):
@@ -348,11 +354,14 @@ def test_fusing_siblings_changes_no_bit_of_the_logits(arch, path, kind, torch_la
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
                 setattr(module, name, kind(child.weight, child.bias))
-    alone.model.set_attn_implementation(fused.model.config._attn_implementation)  # the row-exact attention
     assert isinstance(fused.model.model.layers[0].mlp.up_proj, FusedSlice)
+    assert fused.backend.lean.attention == alone.backend.lean.attention  # the row-exact attention on both
     ids = torch.tensor([prompt_ids(fused.tokenizer, PROMPTS[0])])
     with torch.inference_mode():
         for n in (1, 3, ids.shape[1]):  # a one-token pass, a short pass, the whole prompt
+            ours = fused.backend.forward(ids[:, :n], None, keep=0)
+            assert torch.equal(ours, alone.backend.forward(ids[:, :n], None, keep=0))
+            # transformers' own forward runs the fused siblings too (each sibling's columns of one GEMM)
             assert torch.equal(fused.model(input_ids=ids[:, :n]).logits, alone.model(input_ids=ids[:, :n]).logits)
 
 
@@ -365,14 +374,13 @@ def test_int8dyn_prefill_rows_do_not_depend_on_the_masks_fed_after_them():
         vocab_size=500, hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=True,
     )
-    model = convert(LlamaForCausalLM(config).eval(), "int8dyn")
+    backend = backend_for(convert(LlamaForCausalLM(config).eval(), "int8dyn"))
     for length in (45, 70):
         ids = torch.randint(10, 500, (1, length + 3))
         with torch.inference_mode():
-            alone = model(input_ids=ids[:, :length], output_hidden_states=True)
-            with_masks = model(input_ids=ids, output_hidden_states=True)
-        assert torch.equal(alone.hidden_states[1][0], with_masks.hidden_states[1][0, :length])
-        assert torch.equal(alone.logits[0], with_masks.logits[0, :length])
+            alone = backend.forward(ids[:, :length], None, keep=0)
+            with_masks = backend.forward(ids, None, keep=0)
+        assert torch.equal(alone[0], with_masks[0, :length])
 
 
 def test_the_summary_shows_short_passes_to_a_tenth_of_a_ms():

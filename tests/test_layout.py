@@ -83,11 +83,6 @@ def test_the_settings_module_sits_below_everything():
     assert not ours, f"settings.py imports {ours}"
 
 
-# Files being switched to the settings module in another change; test_the_environment_is_read_in_settings_only
-# skips them, and the xfail test below names what is left.
-SWITCHING = ("engine/backends/", "engine/decoding/", "engine/checkpoints/loading.py", "research/benchmark.py")
-
-
 def _environment_reads(path: Path) -> list[int]:
     """Lines where ``path`` reads the environment (``os.environ``, ``os.getenv``); writing to it is no read."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -107,25 +102,17 @@ def _environment_reads(path: Path) -> list[int]:
     return sorted(lines)
 
 
-def _readers(skip: tuple[str, ...] = ()) -> list[str]:
+def _readers() -> list[str]:
     sources = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "settings.py" or p.parent != PACKAGE]
     found = []
     for path in sources + [PACKAGE.parent / "app.py"]:
         name = path.relative_to(PACKAGE).as_posix() if path.is_relative_to(PACKAGE) else path.name
-        lines = [] if name.startswith(skip) else _environment_reads(path)
-        found += [f"{name}:{line}" for line in lines]
+        found += [f"{name}:{line}" for line in _environment_reads(path)]
     return found
 
 
 def test_the_environment_is_read_in_settings_only():
     """Issue #32: every variable is declared once, in mars_demo/settings.py, and read through it."""
-    assert not _readers(skip=SWITCHING), "read os.environ through mars_demo.settings instead"
-
-
-@pytest.mark.xfail(strict=False, reason="engine/backends/ (the lean and native-kernel switches, CXX), "
-                   "engine/checkpoints/loading.py and research/benchmark.py still read os.environ: another change "
-                   "switches them to mars_demo.settings")
-def test_the_environment_is_read_in_settings_only_everywhere():
     assert not _readers(), "read os.environ through mars_demo.settings instead"
 
 

@@ -7,16 +7,11 @@ import json
 import pytest
 import torch
 
-from mars_demo.engine.checkpoints.loading import (
-    MarsMeta,
-    ModelLoadError,
-    block_size_from_name,
-    choose_mask_token,
-    load_model,
-)
+from mars_demo.engine.checkpoints.loading import ModelLoadError, block_size_from_name, choose_mask_token, load_model
 from mars_demo.engine.decoding import acceptance
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import collect, generate
+from mars_demo.engine.model import MarsMeta
 
 from conftest import PROMPTS, make_lm
 

@@ -16,10 +16,10 @@ from accelerate import dispatch_model
 
 from mars_demo.engine.backends.cpu import lean
 from mars_demo.engine.backends.placement import SeededGenerator, input_device
-from mars_demo.engine.checkpoints.loading import LoadedModel
 from mars_demo.engine.decoding.batch import collect_batch, generate_batch
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import collect, generate
+from mars_demo.engine.model import LoadedModel
 
 from conftest import PROMPTS, make_lm
 

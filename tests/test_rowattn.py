@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mars_demo.engine.backends import CpuBackend, backend_for
 from mars_demo.engine.backends.cpu import native, paths, rowattn
 from mars_demo.engine.decoding import exact
 
@@ -152,19 +153,21 @@ def test_supports_only_fp32_on_the_cpu_with_whole_key_groups():
 def test_the_int8_paths_decode_the_same_with_and_without_the_kernel_up_to_rounding(arch, monkeypatch, torch_layers):
     """The kernel replaces SDPA row by row: the same logits up to float rounding, and it is the one called.
 
-    On the torch layers: the native decoder layers call the attention from C (test_decoder.py).
+    On the CPU engine's torch layers: the native decoder layers call the attention from C (test_decoder.py).
     """
     lm = make_lm(arch)
     paths.convert(lm.model, "int8dyn")
+    backend = backend_for(lm.model)
+    assert isinstance(backend, CpuBackend) and not backend.native
     ids = torch.tensor([lm.tokenizer(PROMPTS[0]).input_ids])
     calls = []
     real = rowattn.attend
     monkeypatch.setattr(rowattn, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.inference_mode():
-        native = lm.model(input_ids=ids).logits
+        native = backend.forward(ids, None, keep=0)
         assert calls
         monkeypatch.setattr(rowattn, "kernel", lambda: None)
-        by_rows = lm.model(input_ids=ids).logits
+        calls.clear()
+        by_rows = backend.forward(ids, None, keep=0)
+        assert not calls
     torch.testing.assert_close(native, by_rows, atol=1e-4, rtol=1e-4)
-
-

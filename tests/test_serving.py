@@ -8,6 +8,7 @@ import torch
 
 from mars_demo.engine.decoding.batch.token import TokenBatch
 from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import LiveTau, decode_passes, eos_ids
 from mars_demo.engine.decoding.width import WidthController
 from mars_demo.engine.serving.loop import (
@@ -51,8 +52,8 @@ def unit_cost(rows: int, width: int, kind: str, measured: float) -> float:
 
 def make_loop(lm, policy="fixed:1.0", *, mode="mars", max_batch=3, max_new=NEW, cost=unit_cost) -> ServingLoop:
     return ServingLoop(
-        lm.model, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
-        stop_ids=eos_ids(lm.model, lm.tokenizer),
+        lm.backend, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
+        stop_ids=eos_ids(lm.backend, lm.tokenizer),
         config=ServeConfig(mode=mode, max_batch=max_batch, max_new_tokens=max_new),
         policy=parse_policy(policy), pass_cost=cost,
     )
@@ -65,9 +66,8 @@ def requests(lm, arrivals=(0.0, 0.0, 0.03, 0.05, 0.05, 0.2)) -> list[Request]:
 def alone(lm, prompt, taus, *, mode="mars", max_new=NEW) -> list[int]:
     """The request decoded alone by the single-sequence decoder, at the tau schedule it saw in the batch."""
     passes = decode_passes(
-        lm.model, list(prompt), window=4, mask_id=lm.meta.mask_token_id, tau=Schedule(taus), metric="probability",
-        temperature=0.0, max_new_tokens=max_new, stop_ids=eos_ids(lm.model, lm.tokenizer),
-        verifying=mode != "mars",
+        lm.backend, list(prompt), DecodeConfig(mode=mode, max_new_tokens=max_new, max_fed=None), window=4,
+        mask_id=lm.meta.mask_token_id, tau=Schedule(taus), stop_ids=eos_ids(lm.backend, lm.tokenizer),
     )
     return [t for p in passes for t in p.tokens]
 
@@ -86,8 +86,8 @@ class Replayed(WidthController):
 def alone_at(lm, prompt, trace, *, max_new=NEW, mode="mars") -> list[int]:
     """The request decoded as the only row of a batch, at the tau and width of each pass it had in the batch."""
     batch = TokenBatch(
-        lm.model, [list(prompt)], block_size=4, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
-        max_new_tokens=max_new, stop_ids=eos_ids(lm.model, lm.tokenizer), verifying=mode != "mars",
+        lm.backend, [list(prompt)], DecodeConfig(mode=mode, max_new_tokens=max_new), block_size=4,
+        mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id, stop_ids=eos_ids(lm.backend, lm.tokenizer),
         controller=Replayed([p.width for p in trace]),
     )
     out = []
@@ -177,7 +177,7 @@ def test_every_request_ends_exactly_once_with_output_and_trace(tiny_llama):
 def test_a_failing_pass_ends_its_requests_with_an_error(tiny_llama, monkeypatch):
     loop = make_loop(tiny_llama, "fixed:0.8", max_batch=2)
     calls = {"n": 0}
-    real = tiny_llama.model.forward
+    real = tiny_llama.backend.forward
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -185,7 +185,7 @@ def test_a_failing_pass_ends_its_requests_with_an_error(tiny_llama, monkeypatch)
             raise RuntimeError("device lost")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_llama.model, "forward", flaky)
+    monkeypatch.setattr(tiny_llama.backend, "forward", flaky)
     list(loop.run(requests(tiny_llama)))
     statuses = [s.status for s in loop.served.values()]
     assert "error" in statuses and set(statuses) <= {"done", "error"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from mars_demo.engine import progress
 from mars_demo.engine.backends.cpu import native
-from mars_demo.engine.checkpoints import progress
 from mars_demo.engine.checkpoints.loading import BUNDLED, ModelLoadError
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.loading import staged_load

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mars_demo import cli
+from mars_demo.engine.backends import backend_for
 from mars_demo.engine.backends.cpu import paths
 from mars_demo.engine.checkpoints import loading
 from mars_demo.engine.checkpoints.loading import load_model
@@ -404,7 +405,8 @@ def test_tau_one_is_greedy_after_training(tmp_path, base_dir):
     for prompt in PROMPTS[:2]:
         ids = prompt_ids(lm.tokenizer, prompt)
         config = DecodeConfig(tau=1.0, max_new_tokens=24)
-        ours = collect(stream(model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=4)).token_ids
+        ours = collect(stream(backend_for(model), lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id,
+                              block_size=4)).token_ids
         hf = model.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
             max_new_tokens=24, eos_token_id=lm.tokenizer.eos_token_id, pad_token_id=lm.tokenizer.pad_token_id,

@@ -37,10 +37,11 @@ def _ids(lm, prompts=MIXED):
 
 def _batch(lm, ids, tau, *, surface=None, verifying=False, controller=None, max_new=NEW, block_size=4):
     controller = controller or WidthController(surface, block_size)
+    config = DecodeConfig(mode="hybrid" if verifying else "mars", max_new_tokens=max_new)
     events = list(decode_batch(
-        lm.model, ids, scheme="token", block_size=block_size, mask_id=lm.meta.mask_token_id,
-        pad_id=lm.tokenizer.pad_token_id, tau=LiveTau(tau), max_new_tokens=max_new,
-        stop_ids=eos_ids(lm.model, lm.tokenizer), verifying=verifying, controller=controller,
+        lm.backend, ids, config, scheme="token", block_size=block_size, mask_id=lm.meta.mask_token_id,
+        pad_id=lm.tokenizer.pad_token_id, tau=LiveTau(tau), stop_ids=eos_ids(lm.backend, lm.tokenizer),
+        controller=controller,
     ))
     return collect_batch(iter(events)).token_ids, events
 
@@ -74,10 +75,10 @@ def test_a_damaged_record_is_refused_with_one_message():
 
 
 def test_measured_surface_is_cached_by_key(tiny_llama, tmp_path):
-    surface = measure(tiny_llama.model, rows=(1, 2), widths=(1, 2), context=8, rounds=1)
+    surface = measure(tiny_llama.backend, rows=(1, 2), widths=(1, 2), context=8, rounds=1)
     assert surface.rows == (1, 2) and all(x > 0 for line in surface.grid for x in line) and not surface.simulated
-    first = cached_surface(tiny_llama.model, "k", tmp_path)
-    again = cached_surface(tiny_llama.model, "k", tmp_path)  # read back, not measured again
+    first = cached_surface(tiny_llama.backend, "k", tmp_path)
+    again = cached_surface(tiny_llama.backend, "k", tmp_path)  # read back, not measured again
     assert again.record() == first.record()
 
 
@@ -177,9 +178,9 @@ def test_exact_rows_under_the_controller_each_equal_decoding_alone(tiny_lm):
 def test_stream_batch_prices_passes_only_with_auto_max_fed(tiny_llama):
     ids = _ids(tiny_llama)[:2]
     common = {"mask_id": tiny_llama.meta.mask_token_id, "block_size": 4, "surface": LINEAR}
-    auto = list(stream_batch(tiny_llama.model, tiny_llama.tokenizer, ids,
+    auto = list(stream_batch(tiny_llama.backend, tiny_llama.tokenizer, ids,
                              DecodeConfig(tau=0.0, max_new_tokens=8), **common))
-    paper = list(stream_batch(tiny_llama.model, tiny_llama.tokenizer, ids,
+    paper = list(stream_batch(tiny_llama.backend, tiny_llama.tokenizer, ids,
                               DecodeConfig(tau=0.0, max_new_tokens=8, max_fed=None), **common))
     assert max(s.width for e in auto[1:] for s in e.rows) == 1
     assert max(s.width for e in paper[1:] for s in e.rows) == 4
@@ -204,8 +205,8 @@ def test_adaptive_lowers_tau_only_where_wider_passes_pay():
 def test_serving_with_the_controller_ends_every_request_once_with_its_widths(tiny_llama, surface, widest):
     ids = _ids(tiny_llama)
     loop = ServingLoop(
-        tiny_llama.model, mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id,
-        stop_ids=eos_ids(tiny_llama.model, tiny_llama.tokenizer), policy=parse_policy("fixed:0.0"),
+        tiny_llama.backend, mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id,
+        stop_ids=eos_ids(tiny_llama.backend, tiny_llama.tokenizer), policy=parse_policy("fixed:0.0"),
         config=ServeConfig(max_batch=3, max_new_tokens=10), surface=surface,
         pass_cost=lambda rows, width, kind, measured: surface.ms(rows, width) / 1000,
     )
@@ -228,8 +229,8 @@ def test_rows_that_join_a_priced_batch_decode_as_alone_at_their_widths(tiny_llam
     ids = _ids(tiny_llama)
     mixed = Surface.from_cost(lambda r, w: 10.0 + 2.0 * r * w, rows=ROWS, widths=WIDTHS, name="mixed")
     loop = ServingLoop(
-        tiny_llama.model, mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id,
-        stop_ids=eos_ids(tiny_llama.model, tiny_llama.tokenizer), policy=parse_policy("fixed:0.15"),
+        tiny_llama.backend, mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id,
+        stop_ids=eos_ids(tiny_llama.backend, tiny_llama.tokenizer), policy=parse_policy("fixed:0.15"),
         config=ServeConfig(max_batch=3, max_new_tokens=12), surface=mixed,
         pass_cost=lambda rows, width, kind, measured: mixed.ms(rows, width) / 1000,
     )
@@ -247,11 +248,11 @@ def test_single_sequence_mars_prices_its_width_on_the_measured_curve(tiny_llama,
 
     config = DecodeConfig(tau=0.0, block_size=4, max_new_tokens=NEW)
     linear = ComputePath(path="fp32", requested="fp32", costs_ms={w: 1.0 + 10.0 * w for w in range(1, 9)})
-    monkeypatch.setattr(tiny_llama.model, "mars_compute", linear, raising=False)
+    monkeypatch.setattr(tiny_llama, "compute", linear)
     steps = collect(generate(tiny_llama, PROMPTS[0], config)).steps
     assert {s.width for s in steps[1:]} == {1} and width_text(steps) == "1"  # no mask pays: AR passes
     flat = ComputePath(path="fp32", requested="fp32", costs_ms={w: 10.0 for w in range(1, 9)})
-    monkeypatch.setattr(tiny_llama.model, "mars_compute", flat, raising=False)
+    monkeypatch.setattr(tiny_llama, "compute", flat)
     steps = collect(generate(tiny_llama, PROMPTS[0], config)).steps
     assert max(s.width for s in steps[1:]) == 4 and width_text(steps).startswith(("1–4", "2–4", "3–4", "4"))
 

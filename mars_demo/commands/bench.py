@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, max_fed_text
-from ..engine.backends.compiled import enable_compiled_decoding
+from ..engine.backends.hf import compile_passes
 from ..engine.checkpoints.loading import default_precision, load_model
 from ..research.benchmark import KNOWN, METHODS, BenchConfig, run_benchmark
 from ..research.distillation import read_prompts
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile:
         if lm.device.type != "cuda":
             raise UserError("--compile is for CUDA (static cache, CUDA graphs); on a CPU the compute paths apply")
-        enable_compiled_decoding(lm.model, mode="reduce-overhead")
+        lm.chosen = compile_passes(lm.model, mode="reduce-overhead", compute=lm.compute)
     report = run_benchmark(lm, prompts, config)
     report = {"command": command_line(args, config), "argv": sys.argv, **report}
     report["machine"]["compiled_decoding"] = bool(args.compile)

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     verifying = config.mode in VERIFYING_MODES
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": command_line(args), "argv": sys.argv, "model": lm.name, "machine": machine(lm.model),
+        "command": command_line(args), "argv": sys.argv, "model": lm.name, "machine": machine(lm),
         "clock": CLOCKS[args.clock], "curve_ms": lm.compute.costs_ms if lm.compute else None,
         "surface": surface.record() if surface is not None else None,
         "settings": {**vars(config), "policies": list(config.policies), "block_size": lm.meta.block_size,

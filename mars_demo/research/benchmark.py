@@ -32,16 +32,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
 
 import torch
 import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..engine.backends.cpu import lean
+from .. import settings
+from ..engine.backends.cpu.backend import CpuBackend
 from ..engine.backends.cpu.paths import cpu_model
-from ..engine.checkpoints.loading import LoadedModel
 from ..engine.decoding.batch import collect_batch, stream_batch_ids
 from ..engine.decoding.batch.rows import left_pad
 from ..engine.decoding.chat import pad_id, prompt_ids
@@ -50,11 +49,10 @@ from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
 from ..engine.decoding.loop import collect, eos_ids, stream_ids
 from ..engine.decoding.metrics import agreement, exact_match, per_forward, per_second, speedup
 from ..engine.decoding.width import known_surface, surface_for
+from ..engine.model import LoadedModel
 from . import llama_cpp
 from .evaluation import Scorer, pooled_nll
-
-if TYPE_CHECKING:
-    from typing import Self  # Python 3.11; annotations are not evaluated at run time
+from .profile import profile_passes, sync
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +140,6 @@ def _chunks(items: Sequence, size: int) -> Iterator[Sequence]:
         yield items[start : start + size]
 
 
-def _sync(model: PreTrainedModel) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-
-
 @contextmanager
 def counting_forwards(model: PreTrainedModel) -> Iterator[list[int]]:
     """Count the model's forward calls while the block runs (a hook, removed afterwards)."""
@@ -174,8 +167,8 @@ def run_hf(
     lm: LoadedModel, prompts: list[list[int]], batch_size: int, max_new: int, tick: Tick = _no_tick, **extra
 ) -> Outcome:
     """transformers ``generate``, greedy, left-padded batches; ``extra`` e.g. prompt_lookup_num_tokens."""
-    model, tok = lm.model, lm.tokenizer
-    stop = eos_ids(model, tok)
+    model, tok = lm.model, lm.tokenizer  # transformers' own forward over the same weights (docs/cli.md, "bench")
+    stop = eos_ids(lm.backend, tok)
     pad = pad_id(tok)
     result = Outcome()
     for chunk in _chunks(prompts, batch_size):
@@ -187,7 +180,7 @@ def run_hf(
                 ids_t, attention_mask=attn_t, do_sample=False, max_new_tokens=max_new,
                 eos_token_id=sorted(stop), pad_token_id=pad, **extra,
             )
-            _sync(model)
+            sync(model)
             result.seconds += time.perf_counter() - started
         rows = [cut_at_stop(row, stop) for row in out[:, len(ids[0]) :].tolist()]
         result.outputs += rows
@@ -204,7 +197,7 @@ def run_single(lm: LoadedModel, prompts: list[list[int]], config: DecodeConfig, 
     for ids in prompts:
         started = time.perf_counter()
         gen = collect(stream_ids(lm, ids, config))
-        _sync(lm.model)
+        sync(lm.model)
         result.seconds += time.perf_counter() - started
         result.outputs.append(gen.token_ids)
         result.forward_passes += gen.stats.forward_passes
@@ -221,7 +214,7 @@ def run_batch(
     for chunk in _chunks(prompts, batch_size):
         started = time.perf_counter()
         gen = collect_batch(stream_batch_ids(lm, chunk, config, scheme=scheme))
-        _sync(lm.model)
+        sync(lm.model)
         result.seconds += time.perf_counter() - started
         result.outputs += gen.token_ids
         result.forward_passes += gen.stats.forward_passes
@@ -253,23 +246,24 @@ def nll_per_token(scorer: Scorer, outputs: list[list[int]]) -> float:
     return pooled_nll([scorer(i, out) for i, out in enumerate(outputs)])
 
 
-def machine(model: PreTrainedModel) -> dict:
+def machine(lm: LoadedModel) -> dict:
     """The machine and software the numbers were taken on."""
-    compute = getattr(model, "mars_compute", None)  # kernels.ComputePath, set by load_model
+    model, backend, compute = lm.model, lm.backend, lm.compute
     desc = {
         "cpu": cpu_model(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "omp_num_threads": settings.OMP_NUM_THREADS.read(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": str(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
-        "attention": getattr(model.config, "_attn_implementation", None),
+        "backend": type(backend).__name__,
+        "attention": backend.lean.attention if isinstance(backend, CpuBackend) else model.config._attn_implementation,
         "compute_path": compute.record() if compute is not None else None,
-        "cost_surface": surface.record() if (surface := known_surface(model)) is not None else None,
+        "cost_surface": surface.record() if (surface := known_surface(lm)) is not None else None,
     }
     if model.device.type == "cuda":
         desc["gpu"] = torch.cuda.get_device_name(model.device)
@@ -306,78 +300,6 @@ def add_speedups(runs: list[dict]) -> None:
         gain = speedup(run["tokens_per_second"], best["tokens_per_second"]) if ok else None
         run["speedup"] = round(gain, 4) if gain is not None else (0.0 if ok else None)
         run["speedup_over"] = best["method"] if ok else None
-
-
-class PassClock:
-    """Forward hooks timing the model body (embeddings + layers) and the LM head across passes."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
-        self.parts = {"forward_body": model.get_decoder(), "lm_head": model.get_output_embeddings()}
-        self.seconds = dict.fromkeys(self.parts, 0.0)
-        self._started: dict[str, float] = {}
-        self._handles: list = []
-
-    def _pre(self, name: str):
-        def hook(*_):
-            _sync(self.model)  # on a GPU, charge queued work to the part that queued it
-            self._started[name] = time.perf_counter()
-        return hook
-
-    def _post(self, name: str):
-        def hook(*_):
-            _sync(self.model)
-            self.seconds[name] += time.perf_counter() - self._started.pop(name)
-        return hook
-
-    def __enter__(self) -> Self:
-        if lean.installed(self.model):  # the lean forward calls neither module: it takes a clock instead
-            marks = {name: (self._pre(name), self._post(name)) for name in self.parts}
-            self.model.forward.clock = lambda name, starting: marks[name][0 if starting else 1]()
-            return self
-        for name, module in self.parts.items():
-            self._handles += [
-                module.register_forward_pre_hook(self._pre(name)), module.register_forward_hook(self._post(name))
-            ]
-        return self
-
-    def __exit__(self, *_) -> None:
-        if lean.installed(self.model):
-            self.model.forward.clock = None
-        for handle in self._handles:
-            handle.remove()
-
-
-def profile_passes(
-    lm: LoadedModel, prompts: list[list[int]], tau: float, block_size: int, max_new_tokens: int,
-    *, max_fed: int | str | None = "auto", limit: int = 4, progress: bool = False,
-) -> dict:
-    """Where a batch-1 pass spends its time: model body, LM head, and the rest (acceptance, cache crop, host).
-
-    MARS at ``tau`` (as benchmarked, and with the paper's full window if that differs) and the
-    AR decoder, on the first ``limit`` prompts; milliseconds per pass.
-    """
-    profile: dict = {"tau": tau, "block_size": block_size, "prompts": min(limit, len(prompts))}
-    variants = [("mars", "mars", max_fed), ("ar", "ar", None)]
-    if resolve_max_fed(max_fed, lm.model) is not None:
-        variants.insert(1, ("mars_full_window", "mars", None))
-    for name, mode, cap in variants:
-        config = DecodeConfig(mode=mode, tau=tau, block_size=block_size, max_new_tokens=max_new_tokens, max_fed=cap)
-        passes = tokens = 0
-        seconds = 0.0
-        with PassClock(lm.model) as clock:
-            for ids in tqdm(prompts[:limit], desc=f"profile {name}", disable=not progress, leave=False):
-                for event in stream_ids(lm, ids, config.with_(block_size=block_size)):
-                    passes, tokens, seconds = passes + 1, tokens + len(event.token_ids), seconds + event.seconds
-        parts = {**clock.seconds, "acceptance_and_host": max(seconds - sum(clock.seconds.values()), 0.0)}
-        profile[name] = {
-            "passes": passes,
-            "tokens_per_forward": round(per_forward(tokens, passes), 4),
-            "ms_per_pass": {k: round(1000 * v / max(passes, 1), 4) for k, v in parts.items()}
-            | {"total": round(1000 * seconds / max(passes, 1), 4)},
-            "share": {k: round(v / seconds, 4) if seconds > 0 else 0.0 for k, v in parts.items()},
-        }
-    return profile
 
 
 def interleaved(jobs: list[Job]) -> list[list[Job]]:
@@ -452,10 +374,10 @@ def run_benchmark(
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": lm.name,
-        "machine": machine(lm.model),
+        "machine": machine(lm),
         "settings": {
             **asdict(config), "block_size": block, "prompts": len(prompts),
-            "max_fed_resolved": resolve_max_fed(config.max_fed, lm.model),
+            "max_fed_resolved": resolve_max_fed(config.max_fed, lm.compute),
         },
         "runs": runs,
         "profile": profile,

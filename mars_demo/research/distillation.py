@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..engine.checkpoints.loading import LoadedModel
 from ..engine.decoding.chat import pad_id, prompt_ids, user_turn_prefix
+from ..engine.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 

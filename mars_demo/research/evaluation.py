@@ -33,12 +33,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..engine.checkpoints.loading import LoadedModel
 from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
 from ..engine.decoding.loop import collect, stream_ids
 from ..engine.decoding.metrics import REFERENCE_TAU, Rates, agreement, exact_match, prefix_agreement, speedup
 from ..engine.decoding.metrics import pooled_nll as pooled
+from ..engine.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -420,7 +420,7 @@ def evaluate(
         "base": base.name,
         "block_size": block,
         "max_new_tokens": config.max_new_tokens,
-        "max_fed": resolve_max_fed(config.max_fed, lm.model),
+        "max_fed": resolve_max_fed(config.max_fed, lm.compute),
         "device": str(lm.device),
         "dtype": str(lm.model.dtype).removeprefix("torch."),
         "definitions": DEFINITIONS,

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
-from ..engine.checkpoints.loading import BUNDLED, BUNDLED_BASE, LoadedModel, gguf_path, load_model
+from ..engine.checkpoints.loading import BUNDLED, BUNDLED_BASE, gguf_path, load_model
 from ..engine.decoding.config import DecodeConfig
 from ..engine.decoding.loop import eos_ids
 from ..engine.decoding.metrics import agreement
 from ..engine.machine import cache_dir
+from ..engine.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def run(lm: LoadedModel, method: str, prompts: list[list[int]], max_new: int, ti
     from .benchmark import Outcome  # bench imports this module lazily, in its runner
 
     llm = runner(method, torch.get_num_threads())
-    stop = eos_ids(lm.model, lm.tokenizer)
+    stop = eos_ids(lm.backend, lm.tokenizer)
     result = Outcome()
     for ids in prompts:
         started = time.perf_counter()

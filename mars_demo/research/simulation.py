@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedModel
 
-from ..engine.checkpoints.loading import LoadedModel
 from ..engine.decoding.metrics import delta_nll_key
 from ..engine.decoding.width import Surface
+from ..engine.model import LoadedModel
 from ..engine.serving.loop import LoopEvent, PassCost, parse_policy
 from ..engine.serving.replay import (
     REFERENCE,

@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..engine.checkpoints import progress
-from ..engine.checkpoints.loading import LoadedModel
+from ..engine import progress
+from ..engine.model import LoadedModel
 from .models import ModelCache
 
 _DONE = object()

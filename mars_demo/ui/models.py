@@ -33,7 +33,8 @@ import torch
 
 from .. import settings
 from ..engine.backends.cpu.paths import PRECISIONS
-from ..engine.checkpoints.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED, LoadedModel
+from ..engine.checkpoints.loading import BUNDLED, BUNDLED_ADAPTER, BUNDLED_BASE, RELEASED
+from ..engine.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 

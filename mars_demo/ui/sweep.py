@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..engine.checkpoints.loading import LoadedModel
 from ..engine.decoding.config import DecodeConfig, check_tau
 from ..engine.decoding.loop import Generation, StepEvent, generate
 from ..engine.decoding.metrics import REFERENCE_TAU, Rates, agreement, exact_match, speedup
+from ..engine.model import LoadedModel
 
 SWEEP_COLUMNS = ["tau", "prompts", "tokens / forward", "tokens / s", "speedup over AR", "agreement", "exact match"]
 

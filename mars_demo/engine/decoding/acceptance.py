@@ -16,20 +16,12 @@ argmax's; the probabilities agree with softmax's to float rounding.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
 
 import torch
 
-from ..backends.cpu import native
+from ..backends.cpu.greedy import GREEDY_ENV, greedy_kernel  # noqa: F401 - GREEDY_ENV: the switch's name
 
-GREEDY_ENV = "MARS_DEMO_GREEDY"  # "0": softmax, argmax and gather through torch
 _I, _P = ctypes.c_int64, ctypes.c_void_p
-
-
-@cache
-def greedy_kernel():
-    """The native greedy choice (a ctypes function), or None: switched off, no compiler, or the build failed."""
-    return native.function("greedy", GREEDY_ENV, [_P, _I, _I, _I, _P, _P, _I])
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

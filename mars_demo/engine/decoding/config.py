@@ -91,10 +91,9 @@ class DecodeConfig:
         return replace(self, **changes)
 
 
-def resolve_max_fed(max_fed: int | str | None, model) -> int | None:
-    """The cap a config's ``max_fed`` means for ``model``: "auto" is its measured compute path's cap."""
+def resolve_max_fed(max_fed: int | str | None, compute) -> int | None:
+    """The cap a config's ``max_fed`` means on ``compute`` (a measured compute path, or None): "auto" is its cap."""
     if max_fed == "auto":
-        compute = getattr(model, "mars_compute", None)  # set by load_model(precision=...)
         return compute.max_fed if compute is not None else None
     return max_fed
 

@@ -200,3 +200,13 @@ def pick_drafts(history: list[int], drafts: list[int], depth: int) -> list[int]:
     if copied:
         return copied
     return drafts[:depth] or lookup(history, depth, ngram=2)
+
+
+def decode_rate(costs: dict[int, float], block_size: int) -> float:
+    """Tokens per ms of one sequence on a cost curve: AR's, or exact decoding's if that is more.
+
+    Exact decoding's rate is its layout model's (DraftDepth) at its prior acceptance, one draft in
+    two held: a flat curve turns the masks' guesses into speed, a steep one leaves AR's one-token pass.
+    """
+    depth = DraftDepth(max(block_size - 1, 1), costs)
+    return max(1 / costs[1], depth.rate(*depth.layout()))

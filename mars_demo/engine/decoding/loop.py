@@ -18,17 +18,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from ..backends.compiled import compiled_forward, new_cache, rewind
-from ..backends.cpu import lean
-from ..backends.placement import SeededGenerator, input_device
-from ..checkpoints.loading import LoadedModel
+from ..backends.base import Backend, KVCache
+from ..backends.placement import SeededGenerator
+from ..model import LoadedModel
 from . import exact
 from .acceptance import accept_prefix
 from .chat import prompt_ids
 from .commit import commit_tokens, cut_at_stop_string
-from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
+from .config import VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .metrics import Rates
 from .width import OneRow, Surface, WidthController
 
@@ -111,33 +110,32 @@ class _Pass:
     width: int = 0  # as StepEvent.width
 
 
-def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    ids = model.generation_config.eos_token_id
+def eos_ids(backend: Backend, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids = backend.model.generation_config.eos_token_id
     found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     if tokenizer.eos_token_id is not None:
         found.add(tokenizer.eos_token_id)
     return found
 
 
-def context_limit(model: PreTrainedModel) -> int:
-    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+def context_limit(backend: Backend) -> int:
+    return int(getattr(backend.config, "max_position_embeddings", None) or 1 << 30)
 
 
-def check_prompt(model: PreTrainedModel, n_prompt: int, window: int) -> None:
+def check_prompt(backend: Backend, n_prompt: int, window: int) -> None:
     if n_prompt == 0:
         raise ValueError("the prompt is empty")
-    limit = context_limit(model)
+    limit = context_limit(backend)
     if n_prompt + window > limit:
         raise ValueError(f"the prompt is {n_prompt} tokens; this model's context is {limit} tokens")
 
 
-def forward_window(model: PreTrainedModel, cache: Cache, fed: torch.Tensor, window: int, call=None) -> torch.Tensor:
+def forward_window(backend: Backend, cache: KVCache, fed: torch.Tensor, window: int, steady: bool = False):
     """Run one cached forward pass over ``fed`` (1, n); logits (window, vocab) of its last ``window`` positions.
 
-    ``call``: the forward to run (compiled.py's compiled one), else the model.
+    ``steady``: a pass after the prefill (base.Backend.forward).
     """
-    out = (call or model)(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=window)
-    return out.logits[0]
+    return backend.forward(fed, cache, keep=window, steady=steady)[0]
 
 
 def capped_width(window: int, fed_tokens: int, max_fed: int) -> int:
@@ -150,17 +148,13 @@ def lookahead(window: int, verifying: bool) -> int:
     return 2 * window - 1 if verifying else window
 
 
-def forward_fed(model: PreTrainedModel, cache: DynamicCache, fed: exact.Fed) -> torch.Tensor:
+def forward_fed(backend: Backend, cache: KVCache, fed: exact.Fed) -> torch.Tensor:
     """One cached verifying pass; logits (keep, vocab)."""
-    out = model(
-        input_ids=fed.ids, attention_mask=fed.attention_mask, position_ids=fed.position_ids,
-        past_key_values=cache, use_cache=True, logits_to_keep=fed.keep,
-    )
-    return out.logits[0]
+    return backend.forward(fed.ids, cache, positions=fed.position_ids, mask=fed.attention_mask, keep=fed.keep)[0]
 
 
 def verify_pass(
-    model: PreTrainedModel, cache: DynamicCache, pending: list[int], drafts: list[int], lookahead: int, mask_id: int,
+    backend: Backend, cache: KVCache, pending: list[int], drafts: list[int], lookahead: int, mask_id: int,
     tau: float, metric: str, fallback: bool = True,
 ) -> tuple[exact.Verdict, int]:
     """One verifying pass (exact.py): check the drafts, draft again, crop what is not kept off the cache.
@@ -168,25 +162,17 @@ def verify_pass(
     Returns the verdict and the pass's width (StepEvent.width: the columns fed past the pending tokens, plus one).
     """
     fed = exact.verify_window(
-        pending, drafts, lookahead, mask_id, cache.get_seq_length(), model.dtype, input_device(model),
+        pending, drafts, lookahead, mask_id, cache.get_seq_length(), backend.dtype, backend.device,
         fallback=fallback,
     )
-    verdict = exact.verify(forward_fed(model, cache, fed), drafts, lookahead, tau, metric)
-    cache.crop(-(fed.width - len(pending) - verdict.cached))  # rejected drafts and both mask groups
+    verdict = exact.verify(forward_fed(backend, cache, fed), drafts, lookahead, tau, metric)
+    cache.crop(fed.width - len(pending) - verdict.cached)  # rejected drafts and both mask groups
     return verdict, fed.width - len(pending) + 1
 
 
-def pass_cache(model: PreTrainedModel, length: int, verifying: bool) -> tuple[Cache, object]:
-    """(cache, compiled forward or None): a model compiled for decoding (compiled.py) runs its MARS / AR passes
-    after the prefill compiled, on a static cache of ``length``; verifying passes stay eager on a dynamic one."""
-    if verifying:
-        return lean.new_cache(model), None
-    return new_cache(model, length), compiled_forward(model)
-
-
 def mars_pass(
-    model: PreTrainedModel, cache: Cache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
-    temperature: float, generator: SeededGenerator, max_fed: int | None, call=None, width: int | None = None,
+    backend: Backend, cache: KVCache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
+    temperature: float, generator: SeededGenerator, max_fed: int | None, steady: bool = False, width: int | None = None,
 ) -> tuple[list[int], list[float], int]:
     """One MARS pass: feed [pending | masks], accept the confident prefix, drop the masks off the cache.
 
@@ -202,45 +188,41 @@ def mars_pass(
             width = capped_width(width, len(pending), max_fed)
     width = 1 if tau >= 1.0 else width
     fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=masks.device), masks[:, : width - 1]], dim=1)
-    logits = forward_window(model, cache, fed, width, call)
+    logits = forward_window(backend, cache, fed, width, steady)
     tokens, confs = accept_prefix(logits, tau, metric, temperature, generator.on(logits.device))
-    rewind(cache, width - 1)  # accepted tokens are fed next pass
+    cache.crop(width - 1)  # accepted tokens are fed next pass
     return tokens, confs, width
 
 
 @torch.inference_mode()
 def decode_passes(
-    model: PreTrainedModel,
+    backend: Backend,
     prompt: list[int],
+    config: DecodeConfig,
     *,
     window: int,
     mask_id: int,
     tau: LiveTau,
-    metric: str,
-    temperature: float,
-    max_new_tokens: int,
     stop_ids: set[int],
-    seed: int | None = None,
-    max_fed: int | None = None,
-    verifying: bool = False,
     widths: OneRow | None = None,
 ) -> Iterator[_Pass]:
-    """The decoding loop in token space; ``window`` = 1 is plain AR decoding. The cache is local to it.
+    """The decoding loop in token space under ``config``; ``window`` = 1 is plain AR decoding. The cache is local.
 
-    ``verifying``: the masks' guesses that tau does not accept become drafts that the next pass verifies
-    (exact.py; tau = 1.0 is lossless). ``max_fed`` caps the tokens fed after the prefill of a MARS pass
-    (``DecodeConfig``); ``widths`` (width.py) instead prices each MARS pass's width on the cost curve.
+    Exact and hybrid modes: the masks' guesses that tau does not accept become drafts that the next pass
+    verifies (exact.py; tau = 1.0 is lossless). ``config.max_fed`` caps the tokens fed after the prefill of a
+    MARS pass; ``widths`` (width.py) instead prices each MARS pass's width on the cost curve.
     """
-    if verifying and temperature > 0:
-        raise ValueError(EXACT_IS_GREEDY)
-    check_prompt(model, len(prompt), lookahead(window, verifying))
-    max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - lookahead(window, verifying) + 1)
-    generator = SeededGenerator(seed)
-    masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=input_device(model))  # placement.py
-    cache, compiled = pass_cache(model, len(prompt) + max_new_tokens + window, verifying)
+    verifying, metric, temperature = config.mode in VERIFYING_MODES, config.metric, config.temperature
+    max_fed, max_new_tokens = resolve_max_fed(config.max_fed, backend.compute), config.max_new_tokens
+    check_prompt(backend, len(prompt), lookahead(window, verifying))
+    max_new_tokens = min(max_new_tokens, context_limit(backend) - len(prompt) - lookahead(window, verifying) + 1)
+    generator = SeededGenerator(config.seed)
+    masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=backend.device)
+    # verifying passes take 4-D masks, which a compiled backend's static cache does not: no size for it
+    cache = backend.new_cache(None if verifying else len(prompt) + max_new_tokens + window)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
     drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
-    depths = exact.DraftDepth(window - 1, getattr(getattr(model, "mars_compute", None), "costs_ms", None))
+    depths = exact.DraftDepth(window - 1, backend.costs_ms())
     history, produced = [*prompt], 0  # every committed token (where exact mode looks up drafts), their count
     while True:
         tau_now = tau.get()
@@ -249,14 +231,14 @@ def decode_passes(
             # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
             depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
             drafts = exact.pick_drafts(history, drafts, depth) if tau_now >= 1.0 else drafts[:depth]
-            verdict, width = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback)
+            verdict, width = verify_pass(backend, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback)
             depths.observe(len(drafts), verdict.cached)
             tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
             pending = tokens[verdict.cached :]
         else:
             chosen = widths.choose(tau_now, max_new_tokens - produced, len(pending), produced) if widths else None
-            tokens, confs, width = mars_pass(model, cache, pending, masks, tau_now, metric, temperature, generator,
-                                             max_fed if produced else None, compiled if produced else None, chosen)
+            tokens, confs, width = mars_pass(backend, cache, pending, masks, tau_now, metric, temperature, generator,
+                                             max_fed if produced else None, produced > 0, chosen)
             if chosen is not None:
                 widths.observe(tau_now, chosen, len(tokens))
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
@@ -300,7 +282,7 @@ class Detokenizer:
 
 
 def stream(
-    model: PreTrainedModel,
+    backend: Backend,
     tokenizer: PreTrainedTokenizerBase,
     prompt: list[int],
     config: DecodeConfig,
@@ -315,25 +297,22 @@ def stream(
     """
     window = 1 if config.mode == "ar" else (config.block_size or block_size)
     verifying = config.mode in VERIFYING_MODES
-    check_prompt(model, len(prompt), lookahead(window, verifying))
+    check_prompt(backend, len(prompt), lookahead(window, verifying))
     if config.mode == "exact":
         tau = LiveTau(1.0)  # lossless: only verified tokens are committed, whatever a live tau says
     passes = decode_passes(
-        model, prompt, window=window, mask_id=mask_id, tau=tau or LiveTau(config.tau), metric=config.metric,
-        temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-        stop_ids=eos_ids(model, tokenizer), seed=config.seed,
-        max_fed=resolve_max_fed(config.max_fed, model), verifying=verifying,
-        widths=width_controller(model, config, window),
+        backend, prompt, config, window=window, mask_id=mask_id, tau=tau or LiveTau(config.tau),
+        stop_ids=eos_ids(backend, tokenizer), widths=width_controller(backend, config, window),
     )
     return _events(passes, Detokenizer(tokenizer), config.stop)
 
 
-def width_controller(model: PreTrainedModel, config: DecodeConfig, window: int) -> OneRow | None:
+def width_controller(backend: Backend, config: DecodeConfig, window: int) -> OneRow | None:
     """MARS with ``max_fed`` "auto" on a measured CPU path: each pass's width priced on the path's cost curve."""
-    compute = getattr(model, "mars_compute", None)  # kernels.ComputePath: the measured cost curve
-    if config.mode != "mars" or config.max_fed != "auto" or compute is None or len(compute.costs_ms) < 2:
+    costs = backend.costs_ms()
+    if config.mode != "mars" or config.max_fed != "auto" or costs is None or len(costs) < 2:
         return None
-    return OneRow(WidthController(Surface.from_curve(compute.costs_ms), window))
+    return OneRow(WidthController(Surface.from_curve(costs), window))
 
 
 def _events(passes: Iterator[_Pass], detok: Detokenizer, stops: tuple[str, ...]) -> Iterator[StepEvent]:
@@ -380,5 +359,5 @@ def stream_ids(
 ) -> Iterator[StepEvent]:
     """Stream the decoding of token ids ``ids`` (chat template already applied) with a loaded model."""
     return stream(
-        lm.model, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=lm.meta.block_size, tau=tau
+        lm.backend, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id, block_size=lm.meta.block_size, tau=tau
     )

@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
+from ..backends.base import Backend
 from ..machine import cache_dir
 from .acceptance import greedy_confidence
 
 if TYPE_CHECKING:
-    from ..checkpoints.loading import LoadedModel
+    from ..model import LoadedModel
 
 GRID_ROWS = (1, 2, 4, 8)
 GRID_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 16, 32)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
@@ -141,7 +141,7 @@ def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
 
 
 @torch.inference_mode()
-def measure(model: PreTrainedModel, *, rows: Sequence[int] = GRID_ROWS, widths: Sequence[int] = GRID_WIDTHS,
+def measure(backend: Backend, *, rows: Sequence[int] = GRID_ROWS, widths: Sequence[int] = GRID_WIDTHS,
             context: int = SURFACE_CONTEXT, rounds: int = SURFACE_ROUNDS) -> Surface:
     """Measure the surface: a cached pass feeding ``width`` tokens to each of ``rows`` rows after ``context`` tokens.
 
@@ -153,27 +153,26 @@ def measure(model: PreTrainedModel, *, rows: Sequence[int] = GRID_ROWS, widths: 
     other load only ever adds time.
     """
     gen = torch.Generator().manual_seed(0)
-    vocab, device = model.config.vocab_size, model.device
+    vocab, device = backend.config.vocab_size, backend.device
     grid = []
     for r in rows:
         ids = torch.randint(vocab // 4, vocab // 2, (r, context + max(widths)), generator=gen).to(device)
-        cache = DynamicCache(config=model.config)
+        cache = backend.new_cache()
         held = torch.ones(r, context, dtype=torch.long, device=device)
         for row in range(1, r):  # rows of different lengths, as in a real batch: holes on the left
             held[row, : HOLES * (row % 4)] = 0
-        model(input_ids=ids[:, :context], attention_mask=held, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        backend.forward(ids[:, :context], cache, mask=held)
         seen: dict[int, list[float]] = {w: [] for w in widths}
         for _ in range(rounds + 2):  # two warm-up rounds
             for w in widths:
                 mask = torch.cat([held, torch.ones(r, w, dtype=torch.long, device=device)], dim=1)
                 positions = torch.arange(context, context + w, device=device)[None].expand(r, -1)
                 started = time.perf_counter()
-                out = model(input_ids=ids[:, context : context + w], attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=w)
-                tokens, conf = greedy_confidence(out.logits, "probability")
+                logits = backend.forward(ids[:, context : context + w], cache, positions=positions, mask=mask, keep=w)
+                tokens, conf = greedy_confidence(logits, "probability")
                 torch.stack([tokens.double(), conf.double()]).tolist()  # the host sync, as accept_rows has it
                 seen[w].append(time.perf_counter() - started)
-                cache.crop(-w)
+                cache.crop(w)
         grid.append([min(seen[w][2:]) * 1000 for w in widths])
     return Surface(rows, widths, monotone(grid))
 
@@ -191,8 +190,8 @@ def monotone(grid: list[list[float]]) -> list[list[float]]:
     return out
 
 
-def cached_surface(model: PreTrainedModel, key: str, table_dir: Path) -> Surface:
-    """The surface of ``model`` measured once per ``key`` (the compute path's cost-table key) and kept on disk."""
+def cached_surface(backend: Backend, key: str, table_dir: Path) -> Surface:
+    """The surface of ``backend`` measured once per ``key`` (the compute path's cost-table key) and kept on disk."""
     path = table_dir / SURFACE_FILE
     full_key = f"{key}|surface={SURFACE_VERSION}"
     try:
@@ -204,7 +203,7 @@ def cached_surface(model: PreTrainedModel, key: str, table_dir: Path) -> Surface
             return Surface.from_record(table[full_key])
         except ValueError:
             pass  # a damaged entry is measured again
-    surface = measure(model)
+    surface = measure(backend)
     table[full_key] = surface.record()
     table_dir.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -401,13 +400,13 @@ def surface_for(lm: LoadedModel) -> Surface | None:
         )
 
         key = f"{table_key(lm.model, range(1, 2))}|path={lm.compute.path}"
-        _SURFACES[lm.model] = cached_surface(lm.model, key, cache_dir())
+        _SURFACES[lm.model] = cached_surface(lm.backend, key, cache_dir())
     return _SURFACES[lm.model]
 
 
-def known_surface(model: PreTrainedModel) -> Surface | None:
-    """The surface ``surface_for`` measured or read for ``model`` in this process, if any (reports, no measuring)."""
-    return _SURFACES.get(model)
+def known_surface(lm: LoadedModel) -> Surface | None:
+    """The surface ``surface_for`` measured or read for ``lm`` in this process, if any (reports, no measuring)."""
+    return _SURFACES.get(lm.model)
 
 
 def affordable_rate(surface: Surface, rows: int, tokens_per_request: float) -> float:

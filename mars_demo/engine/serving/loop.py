@@ -2,7 +2,7 @@
 
 Requests wait in a queue. Between two passes the loop admits the oldest waiting ones, up
 to ``max_batch`` running rows: their prompts are prefilled by one pass of their own
-(batching.token.TokenBatch) and merged into the running batch's cache (PaddedCache.merge,
+(decoding/batch/token.py's TokenBatch) and merged into the running batch's cache (PaddedCache.merge,
 holes on the left), so a row that joins decodes exactly as it would alone. Then one pass
 decodes every running row; a row that finishes leaves the batch at once.
 
@@ -12,7 +12,7 @@ paper's serving claim, a lower tau when requests pile up, with no model swap. Po
   fixed:T           tau = T always (fixed:1.0 is batched greedy AR: no masks are fed).
   ladder:Q=T,...    queue-depth ladder: the tau of the highest step Q <= requests waiting.
   demand:N=T,...    the same ladder on the requests in the system (running + waiting), priced as
-                    adaptive is: the app's live shared batch (engine/live.py), where a few users
+                    adaptive is: the app's live shared batch (serving/shared.py), where a few users
                     share a few rows.
   latency:S         latency target: one level down (LEVELS) while the recent latency or the
                     oldest wait exceeds S seconds, one level up once both are below S / 2.
@@ -27,15 +27,13 @@ measured one, or the simulated clock's own when a cost model drives the clock, s
 prices passes as the clock charges them.
 Rows decode in one mode for the whole loop: "mars" (tau from the policy), "hybrid" (the
 same, unaccepted guesses verified) or "exact" (tau fixed at 1.0: lossless; the policy is not
-consulted). Every request ends exactly once, "done" (eos or length),
-"stopped" or "error", with its tokens and its trace: per pass, the tau it was decoded at,
-the tokens accepted and the clock.
+consulted). Every request ends exactly once, "done" (eos or length), "stopped" or "error", with its
+tokens and its trace: per pass, the tau it was decoded at, the tokens accepted and the clock.
 
 The loop keeps its own clock. By default it advances by the measured seconds of each
 pass; ``pass_cost(rows, width, kind, measured)`` replaces them with a cost model (seconds;
 kind is "prefill" or "decode"), which makes a replay deterministic (tests) or projects it
-onto other hardware (research/serve_sim.model_cost). Arrivals are read off that clock, so a
-simulated replay needs no sleeps.
+onto other hardware (research/simulation.model_cost). Arrivals are read off that clock: no sleeps.
 """
 
 from __future__ import annotations
@@ -48,10 +46,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedModel
 
+from ..backends.base import Backend
 from ..decoding.batch.token import TokenBatch
-from ..decoding.config import MODES, VERIFYING_MODES, check_tau
+from ..decoding.config import MODES, DecodeConfig, check_tau
 from ..decoding.loop import context_limit
 from ..decoding.width import Surface, WidthController
 
@@ -251,16 +249,21 @@ class ServeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be an integer of at least 1, got {value!r}")
 
+    def decode_config(self) -> DecodeConfig:
+        """The DecodeConfig every row of the batch decodes under (its tau comes from the policy, pass by pass)."""
+        return DecodeConfig(mode=self.mode, metric=self.metric, max_new_tokens=self.max_new_tokens,
+                            block_size=self.block_size)
+
 
 class ServingLoop:
     """Continuous batching over one model (see the module docstring); ``run`` replays a list of requests."""
 
     def __init__(
-        self, model: PreTrainedModel, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
+        self, backend: Backend, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
         policy: Policy, pass_cost: PassCost | None = None, surface: Surface | None = None,
     ) -> None:
         """``surface``: what a pass costs by rows and width (width.py); None takes width to be free."""
-        self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
+        self.backend, self.mask_id, self.pad_id, self.stop_ids = backend, mask_id, pad_id, set(stop_ids)
         self.config, self.policy, self.pass_cost = config, policy, pass_cost
         self.controller = WidthController(surface, config.block_size)
         self.clock = 0.0
@@ -277,7 +280,7 @@ class ServingLoop:
         if request.id in self.served:
             raise ValueError(f"request {request.id} was already submitted")
         served = self.served[request.id] = Served(request)
-        room = context_limit(self.model) - len(request.prompt) - 2 * self.config.block_size
+        room = context_limit(self.backend) - len(request.prompt) - 2 * self.config.block_size
         if not request.prompt or room < 1:
             size = len(request.prompt)
             why = "the prompt is empty" if not size else f"the prompt is {size} tokens: too long"
@@ -415,9 +418,8 @@ class ServingLoop:
     def _new_batch(self, prompts: list[tuple[int, ...]]) -> TokenBatch:
         c = self.config
         return TokenBatch(
-            self.model, prompts, block_size=c.block_size, mask_id=self.mask_id,
-            pad_id=self.pad_id, metric=c.metric, max_new_tokens=c.max_new_tokens, stop_ids=self.stop_ids,
-            verifying=c.mode in VERIFYING_MODES, controller=self.controller,
+            self.backend, prompts, c.decode_config(), block_size=c.block_size, mask_id=self.mask_id,
+            pad_id=self.pad_id, stop_ids=self.stop_ids, controller=self.controller,
         )
 
     # -- a whole replay ------------------------------------------------------------------------

@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..checkpoints.loading import LoadedModel
 from ..decoding.chat import pad_id
 from ..decoding.loop import eos_ids
 from ..decoding.metrics import agreement, per_forward, per_second
 from ..decoding.width import Surface
+from ..model import LoadedModel
 from .loop import LoopEvent, PassCost, Request, ServeConfig, ServingLoop, parse_policy
 
 ARRIVALS = ("poisson", "burst")
@@ -121,7 +121,8 @@ class PolicyRun:
 def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None, surface: Surface | None = None
              ) -> ServingLoop:
     return ServingLoop(
-        lm.model, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer), stop_ids=eos_ids(lm.model, lm.tokenizer),
+        lm.backend, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer),
+        stop_ids=eos_ids(lm.backend, lm.tokenizer),
         policy=parse_policy(policy), pass_cost=pass_cost, surface=surface,
         config=ServeConfig(mode=config.mode, max_batch=config.max_batch, max_new_tokens=config.max_new_tokens,
                            block_size=lm.meta.block_size),

@@ -35,10 +35,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..checkpoints.loading import LoadedModel
+from ..backends.base import Backend
 from ..decoding.chat import pad_id
 from ..decoding.loop import eos_ids
 from ..decoding.width import Surface, surface_for
+from ..model import LoadedModel
 from .loop import ENDINGS, Load, PassStep, Policy, Request, ServeConfig, ServingLoop, parse_policy
 
 logger = logging.getLogger(__name__)
@@ -141,14 +142,15 @@ class SharedBatch:
     """One model's shared batch and its worker thread (see the module docstring)."""
 
     def __init__(
-        self, model, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
+        self, backend: Backend, *, mask_id: int, pad_id: int, stop_ids: set[int], config: ServeConfig,
         policy: Policy | None = None, max_queue: int = 4, idle: float = 10.0, pace: float = 0.0, on_retire=None,
         surface: Surface | None = None,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max queue must be at least 0, got {max_queue}")
         check_pace(pace)
-        self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
+        self.backend, self.mask_id, self.pad_id, self.stop_ids = backend, mask_id, pad_id, set(stop_ids)
+        self.model = backend.model  # the weights this batch decodes with (SharedBatches keys batches by them)
         self.config, self.policy = config, policy or parse_policy(LIVE_POLICY)
         self.surface = surface  # what the width controller prices passes on (width.py)
         self.max_queue, self.idle, self._on_retire = max_queue, idle, on_retire
@@ -171,8 +173,8 @@ class SharedBatch:
 
     @classmethod
     def of(cls, lm: LoadedModel, config: ServeConfig, **kwargs) -> SharedBatch:
-        return cls(lm.model, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer),
-                   stop_ids=eos_ids(lm.model, lm.tokenizer), config=config, surface=surface_for(lm), **kwargs)
+        return cls(lm.backend, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer),
+                   stop_ids=eos_ids(lm.backend, lm.tokenizer), config=config, surface=surface_for(lm), **kwargs)
 
     # -- callers ----------------------------------------------------------------------------
     @property
@@ -269,7 +271,7 @@ class SharedBatch:
             self._fail(loop, f"{type(err).__name__}: {err}")
 
     def _new_loop(self) -> ServingLoop:
-        self._loop = ServingLoop(self.model, mask_id=self.mask_id, pad_id=self.pad_id, stop_ids=self.stop_ids,
+        self._loop = ServingLoop(self.backend, mask_id=self.mask_id, pad_id=self.pad_id, stop_ids=self.stop_ids,
                                  config=self.config, policy=self._choose, surface=self.surface)
         return self._loop
 

@@ -114,6 +114,6 @@ def save_model(model, lm, out_dir: Path, base_spec: str, block_size: int) -> Non
         state = {k: halves.setdefault(v.data_ptr(), v.detach().half()) for k, v in inner.state_dict().items()}
         inner.save_pretrained(str(out_dir), state_dict=state)
         lm.tokenizer.save_pretrained(str(out_dir))
-    from ...engine.checkpoints.loading import MarsMeta
+    from ...engine.model import MarsMeta
 
     MarsMeta(block_size=block_size, mask_token_id=lm.meta.mask_token_id, mask_token=lm.meta.mask_token).save(out_dir)

@@ -29,6 +29,7 @@ import threading
 from functools import cache
 from pathlib import Path
 
+from .... import settings
 from ...machine import cache_dir, cpu_features, cpu_model
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ OPENMP = ("-fopenmp",)
 
 
 def compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++") or shutil.which("clang++")
+    return shutil.which(settings.CXX.read()) or shutil.which("c++") or shutil.which("clang++")
 
 
 def build(name: str, compiler: str, where: Path) -> Path:
@@ -133,7 +134,7 @@ def function(
 
     structs: the ctypes class of each C struct the function reads, by the struct's name in the source.
     """
-    if os.environ.get(switch, "1") == "0":
+    if not settings.read(switch):
         return None
     loaded = library(INCLUDED_IN.get(name, name)) or library(name)
     if loaded is None:

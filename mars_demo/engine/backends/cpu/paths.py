@@ -30,10 +30,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ...checkpoints import progress
-from ...decoding import exact
+from .... import settings
+from ... import progress
 from ...machine import ASSETS, cpu_model
-from . import int8gemm, lean, native, native_layers, rowattn
+from .. import backend_for, cpu_engine_runs
+from . import int8gemm, native, native_layers, rowattn
 from .quant import (
     PATHS,
     activation_ranges,
@@ -49,7 +50,7 @@ PRUNE_MARGIN = 1.1  # a probed one-token pass must cost this much over the rival
 PROBE_ROUNDS = 3  # a probe's timed rounds (after two warm-up rounds)
 # Bumped when a path's kernels change, so cached cost tables are measured again.
 KERNELS_VERSION = 12
-PRECISION_ENV = "MARS_DEMO_PRECISION"
+PRECISION_ENV = settings.PRECISION.name
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15
 MEASURE_SECONDS = 0.5  # a path's curve is measured for at least this long (pass_costs) ...
@@ -132,19 +133,19 @@ def pass_costs(
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     ids = torch.randint(vocab // 4, vocab // 2, (1, context + max(widths)), generator=gen)
-    cache = lean.new_cache(model)  # the decoding loop's
+    backend = backend_for(model, on_path=True)  # what decodes it
+    cache = backend.new_cache()
     times: dict[int, list[float]] = {width: [] for width in widths}
     with torch.inference_mode():
-        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        backend.forward(ids[:, :context], cache)
         began, rounds = time.perf_counter(), 0
         while rounds < reps + 2 or (time.perf_counter() - began < seconds and rounds < MAX_ROUNDS + 2):
             rounds += 1  # the first two are warm-up rounds
             for width in widths:
                 started = time.perf_counter()
-                model(input_ids=ids[:, context : context + width], past_key_values=cache, use_cache=True,
-                      logits_to_keep=width)
+                backend.forward(ids[:, context : context + width], cache, keep=width)
                 times[width].append(time.perf_counter() - started)
-                cache.crop(-width)
+                cache.crop(width)
     return {width: round(min(seen[2:]) * 1000, 2) for width, seen in times.items()}  # load only ever adds time
 
 
@@ -189,11 +190,12 @@ def flushing_subnormals() -> Iterator[None]:
 
 
 def text_nll(model: PreTrainedModel, texts: list[torch.Tensor]) -> float:
-    """Teacher-forced NLL (nats per token, pooled over tokens) of token id tensors (1, n)."""
+    """Teacher-forced NLL (nats per token, pooled over tokens) of token id tensors (1, n), as ``model`` decodes."""
+    backend = backend_for(model, on_path=True)
     total, count = 0.0, 0
     with torch.inference_mode(), flushing_subnormals():
         for ids in texts:
-            logits = model(input_ids=ids).logits[0, :-1].float()
+            logits = backend.forward(ids, None, keep=0)[0, :-1].float()
             total += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
             count += ids.shape[1] - 1
     return total / count
@@ -205,20 +207,19 @@ def cap_from_costs(costs: dict[int, float], share: float = MAX_COST_SHARE) -> in
     return max([2] + [w for w, ms in costs.items() if w >= 2 and ms <= limit])
 
 
-def decode_rate(costs: dict[int, float], block_size: int) -> float:
-    """Tokens per ms of one sequence on a cost curve: AR's, or exact decoding's if that is more.
-
-    Exact decoding's rate is its layout model's (exact.DraftDepth) at its prior acceptance, one draft in
-    two held: a flat curve turns the masks' guesses into speed, a steep one leaves AR's one-token pass.
-    """
-    depth = exact.DraftDepth(max(block_size - 1, 1), costs)
-    return max(1 / costs[1], depth.rate(*depth.layout()))
+def ar_rate(costs: dict[int, float], block_size: int) -> float:
+    """Tokens per ms of one sequence decoding one token a pass on a cost curve."""
+    return 1 / costs[1]
 
 
-def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT, rows: int = 1, block_size: int = 4) -> str:
+def choose(
+    candidates: dict[str, dict], limit: float = DNLL_LIMIT, rows: int = 1, block_size: int = 4,
+    rate: Callable[[dict[int, float], int], float] = ar_rate,
+) -> str:
     """The fastest path whose dnll <= ``limit``, for one sequence (rows = 1) or batches of ``rows`` sequences.
 
-    One sequence: the best ``decode_rate``. A batch of ``rows`` sequences feeds at least that many tokens a
+    One sequence: the best ``rate`` (tokens per ms on a path's curve; the loader passes exact decoding's,
+    decoding/exact.py's ``decode_rate``). A batch of ``rows`` sequences feeds at least that many tokens a
     pass: the cheapest pass at ``rows`` (capped at the widest measured) decides; within 5% of it, the
     cheaper widest pass.
     """
@@ -228,7 +229,7 @@ def choose(candidates: dict[str, dict], limit: float = DNLL_LIMIT, rows: int = 1
         return {int(w): ms for w, ms in sorted(candidates[p]["costs_ms"].items(), key=lambda item: int(item[0]))}
 
     if rows <= 1:
-        return max(passing, key=lambda p: decode_rate(curve(p), block_size))
+        return max(passing, key=lambda p: rate(curve(p), block_size))
 
     def speed(p: str) -> tuple[float, float]:
         costs = curve(p)
@@ -252,7 +253,7 @@ def model_key(model: PreTrainedModel) -> str:
 def table_key(model: PreTrainedModel, widths: range) -> str:
     """What a cost table holds for: ``model_key``, the widths, and the kernels built (it waits for their build)."""
     return "|".join([
-        model_key(model), f"widths={widths.stop - 1}", f"lean={lean.enabled(model)}",
+        model_key(model), f"widths={widths.stop - 1}", f"lean={cpu_engine_runs(model)}",
         f"rowattn={rowattn.kernel() is not None}", f"int8gemm={int8gemm.kernel() is not None}",
         f"decoder={native_layers.kernel() is not None}",
     ])
@@ -351,12 +352,9 @@ def adopt(model: PreTrainedModel, converted: PreTrainedModel) -> None:
     then decodes on that path, as ``select`` promises its caller, without converting a second time."""
     if converted is model:
         return
-    lean.uninstall(model)
-    lean.uninstall(converted)
     for name, child in converted.named_children():
         setattr(model, name, child)
-    model.config = converted.config  # its children read their attention implementation from this config
-    lean.install(model)
+    model.config = converted.config
 
 
 def shipped_ranges(model: PreTrainedModel) -> dict | None:
@@ -390,7 +388,6 @@ def smoothing_ranges(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     if ranges is not None:
         return ranges
     progress.report("calibrating int8dyn (activation ranges)")
-    lean.uninstall(model)  # the ranges come from hooks on transformers' modules
     with flushing_subnormals():
         ranges = activation_ranges(model, token_ids(tokenizer, smoothing_texts()))
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -408,6 +405,7 @@ def select(
     block_size: int,
     table_dir: Path,
     rows: int = 1,
+    rate: Callable[[dict[int, float], int], float] = ar_rate,
 ) -> ComputePath:
     """Measure (or read the cached table), put ``model`` on the chosen path in place, and say which.
 
@@ -434,7 +432,7 @@ def select(
         _write_atomically(table_path, json.dumps(table, indent=1) + "\n")
     chosen = precision
     if precision == "auto":
-        chosen = choose({p: entry[p] for p in paths}, rows=rows, block_size=block_size)
+        chosen = choose({p: entry[p] for p in paths}, rows=rows, block_size=block_size, rate=rate)
     if not cached:
         converted = candidates.keep_only(chosen)
     progress.report(f"putting the model on {chosen}")

@@ -3,9 +3,9 @@
 Every non-fp32 path is row-exact, a row's output bit for bit independent of the rows fed with
 it: ``Int8Linear`` (per-output-channel int8 weights, bf16 activations, no activation scale
 shared across rows), ``RowInt8Linear`` (int8 x int8 GEMM with one activation scale per row)
-and ``row_exact_attention`` (each row attends as a one-token pass). So MARS at tau = 1.0 and
+and the row-exact attention (attention.py: each row attends as a one-token pass). So MARS at tau = 1.0 and
 exact decoding equal one-token AR on these paths. Which path a model decodes on is measured
-per machine in kernels.py.
+per machine in paths.py.
 """
 
 from __future__ import annotations
@@ -13,26 +13,13 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import PreTrainedModel
 
-from . import int8gemm, lean, rowattn
+from . import int8gemm
 
 PATHS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8dyn")
 SMOOTHING_ALPHA = 0.5
-# Passes up to this many rows attend row by row; longer ones (prefills) in one call.
-ROW_EXACT_MAX_ROWS = lean.ROW_EXACT_ROWS  # lean.py skips the mask of plainly causal passes this short
-ROW_EXACT = lean.ROW_EXACT[0]
-# int8dyn and int8: prefills up to this many rows attend row by row too. A MARS or exact prefill
-# feeds the prompt and masks, AR's the prompt alone, a batch's prefill pads its prompts, and SDPA
-# over a block of rows rounds by block size (~1e-6 in fp32): int8dyn's per-row scales can turn that
-# into a flipped token (BENCHMARKS.md, "Quality by compute path"), and so can int8's near ties (a live
-# batch's row against the same prompt alone, tests/test_live.py). Longer prompts attend in one call.
-ROW_EXACT_PREFILL_ROWS = lean.ROW_EXACT_PREFILL_ROWS
-ROW_EXACT_PREFILL = lean.ROW_EXACT[1]
 
 
 # -- row-exact building blocks -----------------------------------------------------------------
@@ -54,90 +41,6 @@ class Int8Linear(nn.Module):
         y = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y + self.bias if self.has_bias else y
-
-
-def _visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int) -> list[list]:
-    """For every (row of the batch, query), a prefix length or an index tensor of the keys it may see."""
-    if attention_mask is None:  # causal over a cache of kv_len - q_len tokens
-        return [[kv_len - q_len + i + 1 for i in range(q_len)] for _ in range(batch)]
-    allowed = rowattn.allowed_keys(attention_mask, batch, q_len, kv_len)
-    counts = allowed.sum(-1).tolist()
-    prefix = allowed.int().cumprod(-1).sum(-1).tolist()  # one host sync for the whole pass
-    return [
-        [counts[b][i] if prefix[b][i] == counts[b][i] else allowed[b, i].nonzero().squeeze(1) for i in range(q_len)]
-        for b in range(batch)
-    ]
-
-
-_last_mask: tuple = (None, None, None)  # (mask, reader, what it read): every layer of a pass gets the same mask
-
-
-def _read_mask(read, attention_mask: torch.Tensor, *shape: int):
-    """``read(attention_mask, *shape)``, once per mask object (the layers of a pass share one)."""
-    global _last_mask
-    mask, reader, found = _last_mask
-    if mask is not attention_mask or reader is not read:
-        found = read(attention_mask, *shape)
-        _last_mask = (attention_mask, read, found)
-    return found
-
-
-def _attend_alone(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling) -> torch.Tensor:
-    """One query row (1, heads, 1, d) over the keys it sees, (1, 1, heads, d): what every row of a short pass runs."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=groups > 1)
-    return out.view(1, 1, query.shape[1], value.shape[-1])
-
-
-def row_exact_prefill_attention(module, query, key, value, attention_mask, **kwargs):
-    """row_exact_attention with prefills of up to ROW_EXACT_PREFILL_ROWS rows attending row by row too."""
-    return row_exact_attention(module, query, key, value, attention_mask, max_rows=ROW_EXACT_PREFILL_ROWS, **kwargs)
-
-
-def row_exact_attention(module, query, key, value, attention_mask, max_rows: int = ROW_EXACT_MAX_ROWS, **kwargs):
-    """SDPA in which each query row of a pass of up to ``max_rows`` attends alone, as in a one-token pass.
-
-    On fp32 tensors it is the native kernel (rowattn.py) where that is built: all rows in one call per layer.
-    """
-    batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)
-    if q_len > max_rows:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    scaling = kwargs.get("scaling")
-    native = rowattn.kernel()
-    if native is not None and rowattn.supports(query, key, value):
-        shape = batch, q_len, key.shape[2]
-        visible = None if attention_mask is None else _read_mask(rowattn.Visible, attention_mask, *shape)
-        return rowattn.attend(native, query, key, value, scaling, visible), None
-    if batch == 1 and attention_mask is None:  # one sequence, causal over its cache: the commonest passes
-        if q_len == 1:  # the one-token pass: the same call as every row's
-            return _attend_alone(module, query, key, value, scaling), None
-        first = key.shape[2] - q_len + 1  # keys the first row sees
-        rows = [_attend_alone(module, query[:, :, i : i + 1], key[:, :, : first + i], value[:, :, : first + i], scaling)
-                for i in range(q_len)]
-        return torch.cat(rows, dim=1), None  # (1, q, heads, head_dim)
-    shape = batch, q_len, key.shape[2]
-    if attention_mask is None:
-        visible = _visible_keys(None, *shape)
-    else:
-        visible = _read_mask(_visible_keys, attention_mask, *shape)
-    rows = []
-    for b in range(batch):
-        for i, keys in enumerate(visible[b]):
-            if isinstance(keys, int):
-                k, v = key[b : b + 1, :, :keys], value[b : b + 1, :, :keys]
-            else:
-                k, v = key[b : b + 1, :, keys], value[b : b + 1, :, keys]
-            rows.append(_attend_alone(module, query[b : b + 1, :, i : i + 1], k, v, scaling))
-    out = torch.cat(rows, dim=1).reshape(batch, q_len, *rows[0].shape[2:])  # (batch, q, heads, head_dim)
-    return out, None
-
-
-AttentionInterface.register(ROW_EXACT, row_exact_attention)
-# Without a mask function of its own, transformers gives a custom attention no mask at all, and the
-# padded rows of a batch would attend to their padding: it builds the same masks as SDPA.
-AttentionMaskInterface.register(ROW_EXACT, sdpa_mask)
-AttentionInterface.register(ROW_EXACT_PREFILL, row_exact_prefill_attention)
-AttentionMaskInterface.register(ROW_EXACT_PREFILL, sdpa_mask)
 
 
 # -- int8dyn: int8 x int8 GEMMs with one activation scale per row --------------------------------
@@ -213,7 +116,9 @@ class FusedLinears(nn.Module):
             bias = torch.cat([lin.weight.new_zeros(lin.out_features) if b is None else b.detach()
                               for lin, b in zip(linears, biases)])
         self.linear = kind(torch.cat([lin.weight.detach() for lin in linears]), bias)
-        self.last: tuple = (None, None)  # (input, output) of the latest call, for the next sibling
+        # [(input, output)] of the latest call, for the next sibling: a list's item is set without
+        # nn.Module's __setattr__, which checks a value against parameters, buffers and submodules
+        self.last: list[tuple] = [(None, None)]
 
 
 class FusedSlice(nn.Module):
@@ -223,17 +128,15 @@ class FusedSlice(nn.Module):
         super().__init__()
         # a tuple keeps the group out of this module's children (one owner); the GEMM's forward is
         # called without nn.Module's call machinery (no hooks on it): a pass makes this call for every GEMM
-        self.fused = (group, group.linear.forward)  # also how lean.py finds the one GEMM of the siblings
+        self.fused = (group, group.linear.forward)  # how lean.py finds the one GEMM of the siblings
         self.start, self.stop, self.last = start, stop, last
         self.in_features, self.out_features = group.linear.in_features, stop - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, gemm = self.fused
-        seen = group.last  # one read of one tuple: another thread's call cannot tear it
+        seen = group.last[0]  # one read of one tuple: another thread's call cannot tear it
         y = seen[1] if seen[0] is x else gemm(x)
-        # object's own setattr: nn.Module's checks a plain value against its parameters, buffers and
-        # submodules, on every sibling of every layer of every pass
-        object.__setattr__(group, "last", (None, None) if self.last else (x, y))
+        group.last[0] = (None, None) if self.last else (x, y)
         return y[..., self.start : self.stop]
 
 
@@ -333,17 +236,16 @@ def fold_smoothing(model: PreTrainedModel, ranges: dict[str, torch.Tensor], alph
 
 
 def convert(
-    model: PreTrainedModel, path: str, *, row_exact: bool = True, smoothing: list[torch.Tensor] | None = None,
+    model: PreTrainedModel, path: str, *, smoothing: list[torch.Tensor] | None = None,
     ranges: dict[str, torch.Tensor] | None = None,
 ) -> PreTrainedModel:
-    """Put ``model`` (fp32, on a CPU) on ``path`` in place; ``row_exact`` adds the row-exact attention.
+    """Put ``model`` (fp32, on a CPU) on ``path`` in place (the CPU backend adds the row-exact attention).
 
     int8dyn smooths by ``ranges`` (``activation_ranges``' result), else by the activation ranges of
     ``smoothing``, token id tensors (1, n); with neither, it does not smooth.
     """
     if path not in PATHS:
         raise ValueError(f"unknown compute path {path!r}")
-    lean.uninstall(model)  # convert transformers' modules: smoothing's ranges come from their hooks
     if path == "bf16":
         model.to(torch.bfloat16)
     elif path == "int8":
@@ -352,7 +254,14 @@ def convert(
         if ranges or smoothing:
             fold_smoothing(model, ranges or activation_ranges(model, smoothing))
         _to_int8(model, RowInt8Linear)
-    if path != "fp32" and row_exact:
-        model.set_attn_implementation(ROW_EXACT_PREFILL if path in ("int8", "int8dyn") else ROW_EXACT)
-    lean.install(model)  # after every swap: it reads the layers as they are now
     return model
+
+
+def path_of(model: PreTrainedModel) -> str:
+    """The compute path ``convert`` put ``model`` on: read from its linears and its dtype."""
+    kinds = {type(m) for m in model.modules()}
+    if RowInt8Linear in kinds:
+        return "int8dyn"
+    if Int8Linear in kinds:
+        return "int8"
+    return "bf16" if model.dtype == torch.bfloat16 else "fp32"

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from ...checkpoints.loading import LoadedModel
+from ...backends.base import Backend
+from ...model import LoadedModel
 from ..chat import pad_id, prompt_ids
 from ..config import VERIFYING_MODES, DecodeConfig
 from ..loop import LiveTau, eos_ids
@@ -48,16 +49,17 @@ __all__ = [
 
 
 def decode_batch(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, scheme: str = DEFAULT_SCHEME, **settings
+    backend: Backend, prompts: Sequence[Sequence[int]], config: DecodeConfig, *, scheme: str = DEFAULT_SCHEME,
+    **settings,
 ) -> Iterator[BatchEvent]:
     """Token space: decode ``prompts`` (token ids) with ``scheme``; settings as in block_passes / token_passes."""
     if scheme not in SCHEMES:
         raise ValueError(f"batch scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    return SCHEMES[scheme](model, prompts, **settings)
+    return SCHEMES[scheme](backend, prompts, config, **settings)
 
 
 def stream_batch(
-    model: PreTrainedModel,
+    backend: Backend,
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Sequence[int]],
     config: DecodeConfig,
@@ -74,8 +76,8 @@ def stream_batch(
     """
     if config.stop:
         raise ValueError("stop strings are not supported in batch decoding")
-    settings: dict = {"verifying": True} if config.mode in VERIFYING_MODES else {}
-    if settings and scheme != "token":
+    settings: dict = {}
+    if config.mode in VERIFYING_MODES and scheme != "token":
         raise ValueError(f"{config.mode} mode runs on the token-level batch scheme only")
     if config.mode == "exact":
         tau = LiveTau(1.0)  # lossless, whatever a live tau says (decoding.stream)
@@ -85,11 +87,8 @@ def stream_batch(
         priced = surface if config.max_fed == "auto" else None
         settings["controller"] = WidthController(priced, widest)
     return decode_batch(
-        model, prompts, scheme=scheme,
-        block_size=window,
-        mask_id=mask_id, pad_id=pad_id(tokenizer), tau=tau or LiveTau(config.tau), metric=config.metric,
-        temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-        stop_ids=eos_ids(model, tokenizer), seed=config.seed, **settings,
+        backend, prompts, config, scheme=scheme, block_size=window, mask_id=mask_id, pad_id=pad_id(tokenizer),
+        tau=tau or LiveTau(config.tau), stop_ids=eos_ids(backend, tokenizer), **settings,
     )
 
 
@@ -118,6 +117,6 @@ def stream_batch_ids(
     """Stream the batch decoding of token-id ``prompts`` (chat template applied) with a loaded model."""
     priced = scheme == "token" and config.mode != "ar" and config.max_fed == "auto"
     return stream_batch(
-        lm.model, lm.tokenizer, prompts, config, mask_id=lm.meta.mask_token_id,
+        lm.backend, lm.tokenizer, prompts, config, mask_id=lm.meta.mask_token_id,
         block_size=lm.meta.block_size, scheme=scheme, tau=tau, surface=surface_for(lm) if priced else None,
     )

@@ -16,10 +16,11 @@ import time
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import PreTrainedModel
 
+from ...backends.base import Backend
 from ...backends.placement import SeededGenerator
 from ..acceptance import accept_rows
+from ..config import DecodeConfig
 from ..loop import LiveTau
 from .events import BatchEvent
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
@@ -62,27 +63,24 @@ def extend_block(blocks: list[list[int]], first_pos: list[int], rooms: list[int]
 
 @torch.inference_mode()
 def block_passes(
-    model: PreTrainedModel,
+    backend: Backend,
     prompts: Sequence[Sequence[int]],
+    config: DecodeConfig,
     *,
     block_size: int,
     mask_id: int,
     pad_id: int,
     tau: LiveTau,
-    metric: str = "probability",
-    temperature: float = 0.0,
-    max_new_tokens: int = 256,
     stop_ids: set[int] = frozenset(),
-    seed: int | None = None,
 ) -> Iterator[BatchEvent]:
-    """Decode token-id ``prompts`` together, block by block; one BatchEvent per forward pass."""
-    B, R = block_size, len(prompts)
-    max_new_tokens = limit_new_tokens(model, prompts, max_new_tokens, 2 * B)
+    """Decode token-id ``prompts`` together under ``config``, block by block; one BatchEvent per forward pass."""
+    B, R, metric, temperature = block_size, len(prompts), config.metric, config.temperature
+    max_new_tokens = limit_new_tokens(backend, prompts, config.max_new_tokens, 2 * B)
     ext, ext_attn = left_pad(prompts, pad_id)  # (R, W): what the next block-start pass adds to the cache
     offset = [len(ext[0]) - len(p) for p in prompts]  # left padding: position id = column - offset
-    generator = SeededGenerator(seed)  # on the logits' device (placement.py)
+    generator = SeededGenerator(config.seed)  # on the logits' device (placement.py)
     book = RowBook(R, max_new_tokens, set(stop_ids))
-    kv = PaddedCache(model, R)
+    kv = PaddedCache(backend, R)
     active = list(range(R))  # rows still decoding, in cache order
     block: list[list[int]] = [[] for _ in range(R)]  # the block being filled, per row
     cached = 0  # how many of the block's tokens the cache holds (extend passes, tau = 1.0)

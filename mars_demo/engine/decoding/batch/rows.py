@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
 
-from ...backends.placement import input_device
+from ...backends.base import Backend
 from ..commit import commit_tokens
 from ..loop import RunStats, context_limit
 from .events import BatchStats, RowStep
@@ -47,12 +46,12 @@ class Window:
 
 
 class PaddedCache:
-    """A DynamicCache plus the attention mask of its columns; both grow and crop together."""
+    """A backend's cache plus the attention mask of its columns; both grow and crop together."""
 
-    def __init__(self, model: PreTrainedModel, rows: int) -> None:
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.attn = torch.zeros((rows, 0), dtype=torch.long, device=input_device(model))  # (rows, columns)
+    def __init__(self, backend: Backend, rows: int) -> None:
+        self.backend = backend
+        self.cache = backend.new_cache()
+        self.attn = torch.zeros((rows, 0), dtype=torch.long, device=backend.device)  # (rows, columns)
 
     @property
     def length(self) -> int:
@@ -64,11 +63,8 @@ class PaddedCache:
         self.attn = torch.cat([self.attn, torch.tensor(window.attn, device=device)], dim=1)
         first = torch.tensor(window.first_pos, device=device)[:, None]
         positions = (first + torch.arange(window.width, device=device)).clamp_min(0)  # (rows, width)
-        out = self.model(
-            input_ids=torch.tensor(window.ids, device=device), attention_mask=self.attn, position_ids=positions,
-            past_key_values=self.cache, use_cache=True, logits_to_keep=window.keep,
-        )
-        return out.logits
+        ids = torch.tensor(window.ids, device=device)
+        return self.backend.forward(ids, self.cache, positions=positions, mask=self.attn, keep=window.keep)
 
     def forward_block(self, ids: torch.Tensor, positions: torch.Tensor, block: torch.Tensor, keep: int) -> torch.Tensor:
         """Feed ids (rows, width) whose attention among themselves is ``block`` (rows, width, width; True = may
@@ -77,16 +73,12 @@ class PaddedCache:
         Every new column joins the cache's mask as attended (1): crop what must not stay, or hide() it.
         """
         rows, width = ids.shape
-        dtype = self.model.dtype
+        dtype = self.backend.dtype
         # (rows, width, C + width)
         allowed = torch.cat([self.attn.bool()[:, None, :].expand(rows, width, -1), block], dim=2)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)
         self.attn = torch.cat([self.attn, block.diagonal(dim1=1, dim2=2).long()], dim=1)
-        out = self.model(
-            input_ids=ids, attention_mask=mask[:, None], position_ids=positions,
-            past_key_values=self.cache, use_cache=True, logits_to_keep=keep,
-        )
-        return out.logits
+        return self.backend.forward(ids, self.cache, positions=positions, mask=mask[:, None], keep=keep)
 
     def hide(self, row: int, start: int, stop: int) -> None:
         """Turn one row's columns start..stop-1 into holes (a rejected draft that other rows' columns keep)."""
@@ -95,7 +87,7 @@ class PaddedCache:
     def crop(self, columns: int) -> None:
         """Drop the last ``columns`` columns (masks, a re-fed block) from the cache and the mask."""
         if columns > 0:
-            self.cache.crop(-columns)
+            self.cache.crop(columns)
             self.attn = self.attn[:, :-columns]
 
     def merge(self, other: PaddedCache) -> None:
@@ -105,12 +97,7 @@ class PaddedCache:
         each keeps its own position ids: a merged row decodes exactly as it would alone.
         """
         width = max(self.length, other.length)
-        layers = [(a, b) for a, b in zip(self.cache.layers, other.cache.layers)]
-        if any(getattr(a, "is_sliding", False) for a, _ in layers):
-            raise ValueError("continuous batching needs a full-attention cache (no sliding-window layers)")
-        for mine, theirs in layers:
-            mine.keys = torch.cat([_left_holes(mine.keys, width), _left_holes(theirs.keys, width)], dim=0)
-            mine.values = torch.cat([_left_holes(mine.values, width), _left_holes(theirs.values, width)], dim=0)
+        self.cache.stack(other.cache, width)
         self.attn = torch.cat([_left_holes(self.attn, width), _left_holes(other.attn, width)], dim=0)
 
     def trim(self) -> None:
@@ -118,14 +105,13 @@ class PaddedCache:
         used = self.attn.any(dim=0)  # (columns,)
         first = int(used.int().argmax()) if bool(used.any()) else 0
         if first:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.cache.drop_front(first)
             self.attn = self.attn[:, first:]
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows leave the batch, so they stop costing compute)."""
         index = torch.tensor(rows, device=self.attn.device)
-        self.cache.batch_select_indices(index)
+        self.cache.keep_rows(index)
         self.attn = self.attn[index]
 
     def drop_finished(self, book: RowBook, active: list[int]) -> list[int]:
@@ -137,14 +123,11 @@ class PaddedCache:
 
 
 def _left_holes(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad the column axis (dim -2 of keys / values (rows, heads, columns, dim); dim 1 of a mask) to ``width``."""
-    axis = 1 if t.dim() == 2 else 2
-    missing = width - t.shape[axis]
+    """Pad a mask's column axis (dim 1) to ``width`` with zeros on the left (holes)."""
+    missing = width - t.shape[1]
     if missing <= 0:
         return t
-    shape = list(t.shape)
-    shape[axis] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=axis)
+    return torch.cat([t.new_zeros((t.shape[0], missing)), t], dim=1)
 
 
 def left_pad(
@@ -158,7 +141,7 @@ def left_pad(
 
 
 def limit_new_tokens(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int, lookahead: int
+    backend: Backend, prompts: Sequence[Sequence[int]], max_new_tokens: int, lookahead: int
 ) -> int:
     """``max_new_tokens``, lowered so that no fed column (``lookahead`` past the last token) passes the context."""
     if not prompts:
@@ -166,9 +149,10 @@ def limit_new_tokens(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("the prompt is empty")
     width = max(len(p) for p in prompts)
-    room = context_limit(model) - width - lookahead
+    room = context_limit(backend) - width - lookahead
     if room < 1:
-        raise ValueError(f"the longest prompt is {width} tokens; this model's context is {context_limit(model)} tokens")
+        limit = context_limit(backend)
+        raise ValueError(f"the longest prompt is {width} tokens; this model's context is {limit} tokens")
     return min(max_new_tokens, room)
 
 

@@ -20,12 +20,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import torch
-from transformers import PreTrainedModel
 
+from ...backends.base import Backend
 from ...backends.placement import SeededGenerator
 from .. import exact
 from ..acceptance import accept_rows
-from ..config import EXACT_IS_GREEDY
+from ..config import VERIFYING_MODES, DecodeConfig
 from ..loop import LiveTau
 from ..width import GAIN, Hits, WidthController
 from .events import BatchEvent, RowStep
@@ -98,31 +98,26 @@ def verify_rows(
 
 @torch.inference_mode()
 def token_passes(
-    model: PreTrainedModel,
+    backend: Backend,
     prompts: Sequence[Sequence[int]],
+    config: DecodeConfig,
     *,
     block_size: int,
     mask_id: int,
     pad_id: int,
     tau: LiveTau,
-    metric: str = "probability",
-    temperature: float = 0.0,
-    max_new_tokens: int = 256,
     stop_ids: set[int] = frozenset(),
-    seed: int | None = None,
-    verifying: bool = False,
     controller: WidthController | None = None,
 ) -> Iterator[BatchEvent]:
-    """Decode token-id ``prompts`` together, each row at its own pace; one BatchEvent per forward pass.
+    """Decode token-id ``prompts`` together under ``config``, each row at its own pace; one BatchEvent per pass.
 
-    ``verifying``: exact / hybrid mode (decoding.decode_passes); every row verifies its own drafts.
+    Exact / hybrid mode (loop.decode_passes): every row verifies its own drafts.
     ``controller``: chooses each pass's width (width.py); None feeds every pass the full window.
     """
-    generator = SeededGenerator(seed)  # on the logits' device (placement.py)
+    generator = SeededGenerator(config.seed)  # on the logits' device (placement.py)
     batch = TokenBatch(
-        model, prompts, block_size=block_size, mask_id=mask_id, pad_id=pad_id, metric=metric,
-        temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids, generator=generator,
-        verifying=verifying, controller=controller,
+        backend, prompts, config, block_size=block_size, mask_id=mask_id, pad_id=pad_id, stop_ids=stop_ids,
+        generator=generator, controller=controller,
     )
     index = 0
     while True:
@@ -152,19 +147,17 @@ class TokenBatch:
     """
 
     def __init__(
-        self, model: PreTrainedModel, prompts: Sequence[Sequence[int]], *, block_size: int, mask_id: int, pad_id: int,
-        metric: str = "probability", temperature: float = 0.0, max_new_tokens: int = 256,
-        stop_ids: set[int] = frozenset(), generator: SeededGenerator | None = None, verifying: bool = False,
+        self, backend: Backend, prompts: Sequence[Sequence[int]], config: DecodeConfig, *, block_size: int,
+        mask_id: int, pad_id: int, stop_ids: set[int] = frozenset(), generator: SeededGenerator | None = None,
         controller: WidthController | None = None,
     ) -> None:
-        if verifying and temperature > 0:
-            raise ValueError(EXACT_IS_GREEDY)
-        self.B, self.mask_id, self.pad_id, self.metric = block_size, mask_id, pad_id, metric
-        self.temperature, self.verifying = temperature, verifying
+        verifying = config.mode in VERIFYING_MODES
+        self.B, self.mask_id, self.pad_id, self.metric = block_size, mask_id, pad_id, config.metric
+        self.temperature, self.verifying = config.temperature, verifying
         self.generator = generator or SeededGenerator(None)
-        limit = limit_new_tokens(model, prompts, max_new_tokens, 2 * block_size if verifying else block_size)
+        limit = limit_new_tokens(backend, prompts, config.max_new_tokens, 2 * block_size if verifying else block_size)
         self.book = RowBook(len(prompts), limit, set(stop_ids))
-        self.kv = PaddedCache(model, len(prompts))
+        self.kv = PaddedCache(backend, len(prompts))
         self.active = list(range(len(prompts)))  # rows still decoding, in cache order
         self.pending = [list(p) for p in prompts]  # fed next pass: the prompt first, then the tokens accepted last pass
         self.next_pos = [0] * len(prompts)  # position id of each row's next real token

@@ -1,0 +1,103 @@
+"""The CPU engine's KV cache: per layer a key and a value buffer with room to grow, and one length.
+
+A pass writes its keys and values at the end of every layer's buffers (``open``, then ``write`` or the
+native layers' own writes) and attends over views of the first ``end`` columns, so a pass copies only
+its own columns, never the cache (a concatenation would copy the whole context every layer of every
+pass). Cropping moves ``end`` back: the next pass writes over the cropped columns. Buffers are
+reallocated (with room to spare) only when a pass would not fit, and when rows are selected, stacked
+or trimmed (a batch's rows leaving, joining, or a hole every row has left).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import KVCache
+
+SLACK = 256  # columns a buffer is allocated beyond what it holds (and at least half as many again)
+
+
+def _with_room(held: torch.Tensor, columns: int) -> torch.Tensor:
+    """A new buffer holding ``held`` (rows, heads, n, dim) in its first n columns, with room for ``columns`` in all."""
+    size = columns + max(SLACK, columns // 2)
+    buffer = held.new_empty((*held.shape[:2], size, held.shape[-1]))
+    buffer[:, :, : held.shape[-2]].copy_(held)
+    return buffer
+
+
+def _left_holes(t: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - t.shape[-2]
+    if missing <= 0:
+        return t
+    return torch.cat([t.new_zeros((*t.shape[:-2], missing, t.shape[-1])), t], dim=-2)
+
+
+class CpuCache(KVCache):
+    """``layers`` pairs of buffers (rows, kv heads, room, head dim) holding ``end`` columns each."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.end = 0
+        self.start = 0  # where the open pass writes
+        self.native_memo: dict = {}  # the native layers' arrays of buffer addresses (native_layers.NativeLayers)
+
+    def get_seq_length(self) -> int:
+        return self.end
+
+    def crop(self, columns: int) -> None:
+        if columns > 0:
+            self.end = max(self.end - columns, 0)
+
+    def open(self, like: torch.Tensor, columns: int) -> int:
+        """Room for ``columns`` more columns in every layer; the cache now holds them (to be written); their start.
+
+        ``like``: (rows, kv heads, any, head dim), the dtype and device of the keys to come.
+        """
+        start, end = self.end, self.end + columns
+        first = self.buffers[0][0] if self.buffers else None
+        if (
+            first is None or end > first.shape[-2] or first.shape[:2] != like.shape[:2]
+            or first.shape[-1] != like.shape[-1] or first.dtype != like.dtype
+        ):
+            if first is None or first.shape[:2] != like.shape[:2]:
+                empty = like.new_empty((*like.shape[:2], 0, like.shape[-1]))
+                self.buffers = [(_with_room(empty, end), _with_room(empty, end)) for _ in range(self.layers)]
+            else:
+                self.buffers = [(_with_room(k[:, :, :start], end), _with_room(v[:, :, :start], end))
+                                for k, v in self.buffers]
+        self.start, self.end = start, end
+        return start
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put a layer's keys and values of the open pass in place; the layer's whole cache (views)."""
+        k, v = self.buffers[layer]
+        k[:, :, self.start : self.end].copy_(keys)
+        v[:, :, self.start : self.end].copy_(values)
+        return k[:, :, : self.end], v[:, :, : self.end]
+
+    def _replace(self, make) -> None:
+        self.buffers = [(make(k[:, :, : self.end]), make(v[:, :, : self.end])) for k, v in self.buffers]
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        if self.buffers:
+            self.buffers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.buffers]
+
+    def stack(self, other: KVCache, width: int) -> None:
+        if not isinstance(other, CpuCache):
+            raise TypeError("a CpuCache stacks only another CpuCache")
+        mine = [(k[:, :, : self.end], v[:, :, : self.end]) for k, v in self.buffers]
+        theirs = [(k[:, :, : other.end], v[:, :, : other.end]) for k, v in other.buffers]
+        if not mine:
+            mine = [(k[:0], v[:0]) for k, v in theirs]
+        self.buffers = [
+            tuple(_with_room(torch.cat([_left_holes(a, width), _left_holes(b, width)], dim=0), width)
+                  for a, b in zip(pair_a, pair_b))
+            for pair_a, pair_b in zip(mine, theirs)
+        ]
+        self.end = width
+
+    def drop_front(self, columns: int) -> None:
+        if columns > 0:
+            self._replace(lambda held: _with_room(held[:, :, columns:], self.end - columns))
+            self.end -= columns

@@ -1,0 +1,99 @@
+"""The transformers backend: a model's own forward, as transformers defines it (base.py's interface).
+
+Any architecture, any device, accelerate's dispatched models (placement.py), the fp32 reference.
+Its cache is transformers' ``DynamicCache``, or a ``StaticCache`` where the decode passes run
+compiled (``compiled``: ``bench --compile``).
+
+Compiled passes: a MARS pass writes its masks' keys and values into the cache and must drop them
+afterwards. A dynamic cache crops them; a static one moves its write position back: the masks'
+entries stay in memory, the next pass overwrites them from that position on, and any left beyond its
+window sit at positions later than every query, which the causal mask hides. So the static cache
+feeds the model exactly what the dynamic one does. The prefill and verifying passes (4-D masks,
+drafts) stay eager, on a dynamic cache. Compiled graphs are per pass width.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, StaticCache
+
+from .base import Backend, KVCache
+from .placement import input_device
+
+
+def _left_holes(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad the column axis (dim -2 of keys / values (rows, heads, columns, dim)) on the left to ``width``."""
+    missing = width - t.shape[-2]
+    if missing <= 0:
+        return t
+    return torch.cat([t.new_zeros((*t.shape[:-2], missing, t.shape[-1])), t], dim=-2)
+
+
+class HFCache(KVCache):
+    """transformers' cache (``inner``) behind base.KVCache."""
+
+    def __init__(self, inner: DynamicCache | StaticCache) -> None:
+        self.inner = inner
+
+    def get_seq_length(self) -> int:
+        return self.inner.get_seq_length()
+
+    def crop(self, columns: int) -> None:
+        if columns <= 0:
+            return
+        if isinstance(self.inner, StaticCache):
+            for layer in self.inner.layers:
+                if layer.is_initialized:
+                    layer.cumulative_length.sub_(columns)  # in place: the compiled graph reads this tensor's address
+        else:
+            self.inner.crop(-columns)
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        self.inner.batch_select_indices(index)
+
+    def _layers(self) -> list:
+        layers = self.inner.layers
+        if isinstance(self.inner, StaticCache) or any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise ValueError("continuous batching needs a dynamic full-attention cache (no sliding-window layers)")
+        return layers
+
+    def stack(self, other: KVCache, width: int) -> None:
+        for mine, theirs in zip(self._layers(), other._layers()):
+            mine.keys = torch.cat([_left_holes(mine.keys, width), _left_holes(theirs.keys, width)], dim=0)
+            mine.values = torch.cat([_left_holes(mine.values, width), _left_holes(theirs.values, width)], dim=0)
+
+    def drop_front(self, columns: int) -> None:
+        if columns > 0:
+            for layer in self._layers():
+                layer.keys, layer.values = layer.keys[:, :, columns:], layer.values[:, :, columns:]
+
+
+class TransformersBackend(Backend):
+    """``model``'s own forward; ``compiled``: a compiled forward for the steady decode passes (module docstring)."""
+
+    def __init__(self, model: PreTrainedModel, compute=None, compiled=None) -> None:
+        self.model, self.compute, self.compiled = model, compute, compiled
+
+    @property
+    def device(self) -> torch.device:
+        return input_device(self.model)
+
+    def new_cache(self, length: int | None = None) -> HFCache:
+        if self.compiled is not None and length is not None:
+            return HFCache(StaticCache(config=self.model.config, max_cache_len=length))
+        return HFCache(DynamicCache(config=self.model.config))
+
+    def forward(self, ids, cache, *, positions=None, mask=None, keep=1, steady=False):
+        static = cache is not None and isinstance(cache.inner, StaticCache)
+        call = self.compiled if steady and static else self.model
+        out = call(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            past_key_values=None if cache is None else cache.inner, use_cache=cache is not None, logits_to_keep=keep,
+        )
+        return out.logits
+
+
+def compile_passes(model: PreTrainedModel, *, backend: str = "inductor", mode: str | None = None, compute=None):
+    """A TransformersBackend whose steady passes run ``torch.compile``d; ``mode="reduce-overhead"`` adds CUDA graphs."""
+    compiled = torch.compile(model.forward, backend=backend, mode=mode, dynamic=False)
+    return TransformersBackend(model, compute, compiled)
