@@ -79,7 +79,7 @@ def test_bad_input_is_one_line_exit_2(prompts_file, flags, message, monkeypatch,
 
 def test_plan_always_has_the_reference_and_batch_methods_above_one():
     jobs = plan(BenchConfig(taus=(1.0, 0.9), batch_sizes=(4,), methods=("mars", "mars_batch")))
-    assert jobs[0].method == "hf_generate"
+    assert (jobs[0].method, jobs[0].batch_size) == ("ar", 1)  # our AR on the same path: the reference
     assert [(j.method, j.tau, j.batch_size) for j in jobs[1:]] == [("mars_batch", 1.0, 4), ("mars_batch", 0.9, 4)]
 
 
@@ -108,15 +108,16 @@ def test_the_runs_of_a_batch_size_take_turns_and_keep_prompt_order(monkeypatch):
                        forward_passes=1, seconds=0.5)
 
     monkeypatch.setattr(benchmark, "run_job", fake_run_job)
-    config = BenchConfig(taus=(1.0,), batch_sizes=(1, 2), methods=("ar", "mars", "mars_batch"), warmup_tokens=3)
+    config = BenchConfig(taus=(1.0,), batch_sizes=(1, 2), methods=("hf_generate", "mars", "mars_batch"),
+                         warmup_tokens=3)
     groups = benchmark.interleaved(plan(config))
-    assert [[j.method for j in g] for g in groups] == [["hf_generate", "ar", "mars"], ["mars_batch"]]
+    assert [[j.method for j in g] for g in groups] == [["ar", "hf_generate", "mars"], ["mars_batch"]]
     prompts = [[10], [11], [12]]
     outcomes = benchmark.run_group(None, groups[0], prompts, config)
     timed = [(method, ids) for method, ids, max_new in calls if max_new == config.max_new_tokens]
-    assert [method for method, _, _ in calls[:3]] == ["hf_generate", "ar", "mars"]  # warm-ups first
+    assert [method for method, _, _ in calls[:3]] == ["ar", "hf_generate", "mars"]  # warm-ups first
     assert all(max_new == config.warmup_tokens for _, _, max_new in calls[:3])
-    turns = [["hf_generate", "ar", "mars"], ["ar", "mars", "hf_generate"], ["mars", "hf_generate", "ar"]]
+    turns = [["ar", "hf_generate", "mars"], ["hf_generate", "mars", "ar"], ["mars", "ar", "hf_generate"]]
     assert [m for m, _ in timed] == [m for turn in turns for m in turn]
     assert all(ids == [p[0]] for (_, ids), p in zip(timed, [q for q in prompts for _ in range(3)]))
     for job in groups[0]:

@@ -14,7 +14,14 @@ from mars_demo.engine import progress
 from mars_demo.engine.backends import backend_for
 from mars_demo.engine.backends.cpu import paths
 from mars_demo.engine.backends.cpu.backend import CpuBackend
-from mars_demo.engine.backends.cpu.paths import activation_ranges, cap_from_costs, choose, convert, select, token_ids
+from mars_demo.engine.backends.cpu.paths import (
+    activation_ranges,
+    cap_from_costs,
+    choose_path,
+    convert,
+    select,
+    token_ids,
+)
 from mars_demo.engine.backends.cpu.quant import FusedSlice, Int8Linear, RowInt8Linear, fold_smoothing
 from mars_demo.engine.checkpoints.loading import ModelLoadError, default_precision
 from mars_demo.engine.decoding.batch import collect_batch, generate_batch
@@ -98,21 +105,21 @@ def test_auto_picks_the_fastest_path_that_keeps_quality():
         "bf16": {"costs_ms": curve(30, 10), "dnll": 0.01},
         "int8": {"costs_ms": curve(20, 5), "dnll": 0.05},  # fastest, but too far from fp32
     }
-    assert choose(table) == "bf16"
+    assert choose_path(table) == "bf16"
     table["int8"]["dnll"] = 0.02
-    assert choose(table) == "int8"
-    assert choose({"fp32": {"costs_ms": {"1": 9, "2": 9}, "dnll": 0.0}}) == "fp32"  # JSON keys are strings
+    assert choose_path(table) == "int8"
+    assert choose_path({"fp32": {"costs_ms": {"1": 9, "2": 9}, "dnll": 0.0}}) == "fp32"  # JSON keys are strings
     # one sequence: a flat curve's exact decoding beats a slightly cheaper one-token pass ...
     table["int8dyn"] = {"costs_ms": curve(22, 0.5), "dnll": 0.01}
-    assert choose(table) == "int8"  # by AR's rate alone (the default)
-    assert choose(table, rate=decode_rate) == "int8dyn"
+    assert choose_path(table) == "int8"  # by AR's rate alone (the default)
+    assert choose_path(table, rate=decode_rate) == "int8dyn"
     assert decode_rate(curve(22, 0.5), 4) > 1 / 20  # its exact decoding beats int8's AR
     # ... but not a much dearer one, and AR's rate is the floor of a steep curve
     table["int8dyn"]["costs_ms"] = curve(40, 0.5)
-    assert choose(table, rate=decode_rate) == "int8"
+    assert choose_path(table, rate=decode_rate) == "int8"
     assert decode_rate(curve(20, 30), 4) == 1 / 20
     table["int8dyn"] = {"costs_ms": curve(22, 0.5), "dnll": 0.04}
-    assert choose(table, rate=decode_rate) == "int8"
+    assert choose_path(table, rate=decode_rate) == "int8"
 
 
 def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, monkeypatch):
@@ -122,11 +129,11 @@ def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, m
         "int8": {"costs_ms": {1: 25, 2: 29, 4: 37, 8: 60}, "dnll": 0.003},
         "int8dyn": {"costs_ms": {1: 27, 2: 29.5, 4: 33, 8: 40}, "dnll": 0.004},
     }
-    assert choose(table, rows=2) == "int8dyn"  # within 5% at two rows: the flatter curve
-    assert choose(table, rows=4) == choose(table, rows=8) == "int8dyn"
+    assert choose_path(table, rows=2) == "int8dyn"  # within 5% at two rows: the flatter curve
+    assert choose_path(table, rows=4) == choose_path(table, rows=8) == "int8dyn"
     table["int8dyn"]["costs_ms"] = {1: 27, 2: 33, 4: 33, 8: 40}
-    assert choose(table, rows=2) == "int8"  # more than 5% dearer at the batch's rows
-    assert choose(table, rows=64) == "int8dyn"  # past the widest measured pass: the widest decides
+    assert choose_path(table, rows=2) == "int8"  # more than 5% dearer at the batch's rows
+    assert choose_path(table, rows=64) == "int8dyn"  # past the widest measured pass: the widest decides
 
     monkeypatch.setattr(paths, "survey", lambda order, *args: {p: table[p] for p in order})
     lm = make_lm("llama")
@@ -210,7 +217,7 @@ def test_the_survey_chooses_as_measuring_every_path_would(seed):
     found = paths.survey(paths.SURVEY_ORDER, range(1, 9), curve_of, lambda path: truth[path]["dnll"])
     assert set(found) == set(paths.PATHS) and measured[0] == paths.SURVEY_ORDER[0]
     for rows in (1, 2, 4, 8, 16):
-        assert choose(found, rows=rows) == choose(truth, rows=rows), rows
+        assert choose_path(found, rows=rows) == choose_path(truth, rows=rows), rows
     for path in found:
         assert found[path].get("pruned", False) == (path not in measured)
 
@@ -226,12 +233,12 @@ def test_the_survey_measures_one_curve_where_the_likely_winner_dominates():
     found = paths.survey(paths.SURVEY_ORDER, range(1, 9), lambda p, w: widths.append((p, len(w))) or
                            {x: truth[p]["costs_ms"][x] for x in w}, lambda p: truth[p]["dnll"])
     assert widths == [("int8dyn", 8), ("int8", 1), ("bf16", 1), ("fp32", 1)]
-    assert choose(found) == "int8dyn" and all(found[p]["pruned"] for p in ("int8", "bf16", "fp32"))
+    assert choose_path(found) == "int8dyn" and all(found[p]["pruned"] for p in ("int8", "bf16", "fp32"))
     truth["int8dyn"]["dnll"] = 0.2  # the winner fails the quality check: nothing is pruned against it
     widths.clear()
     found = paths.survey(paths.SURVEY_ORDER, range(1, 9), lambda p, w: widths.append((p, len(w))) or
                            {x: truth[p]["costs_ms"][x] for x in w}, lambda p: truth[p]["dnll"])
-    assert widths[:2] == [("int8dyn", 8), ("int8", 8)] and choose(found) == "int8"
+    assert widths[:2] == [("int8dyn", 8), ("int8", 8)] and choose_path(found) == "int8"
 
 
 def test_the_survey_reports_its_stages_and_the_calibration_is_cached(tmp_path, monkeypatch):

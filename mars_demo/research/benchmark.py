@@ -1,8 +1,8 @@
 """Benchmark: every decoder on the same prompts, model, device and dtype, warmed up, quality beside speed.
 
 Runs (method, tau, batch size), each over all prompts:
-  hf_generate       transformers ``generate``, greedy, KV cache: the reference AR (batch 1)
-  ar                this project's AR decoder (decoding.stream, mode "ar")
+  ar                this project's AR decoder (decoding.stream, mode "ar"): the reference (batch 1)
+  hf_generate       transformers ``generate``, greedy, KV cache, transformers' own forward on the same weights
   mars              MARS sliding window (decoding.stream) at each tau
   mars_exact        exact mode (decoding.stream, mode "exact"): greedy AR's output in fewer passes
   prompt_lookup     transformers prompt-lookup decoding: the training-free peer (batch 1 only)
@@ -16,7 +16,8 @@ surface (engine/width.py; ``--max-fed none`` feeds the full window), recorded in
 
 Figures per run: tokens_per_second, tokens_per_forward, speedup (over the faster AR run at the
 same batch size, named in ``speedup_over``), delta_nll_self and agreement, as engine/metrics.py
-defines them, against hf_generate's outputs (BENCHMARKS.md, "Columns").
+defines them, against our AR's outputs on the same backend and path (BENCHMARKS.md, "Columns"; docs/cli.md,
+"bench", for how ``generate`` is compared).
 Each run is warmed up (same code path, first prompts, a few tokens) before it is timed. The runs of
 one batch size take turns prompt by prompt (batch by batch), so a drift in the machine's speed
 slows them alike (``run_group``).
@@ -67,7 +68,7 @@ SCHEME = {"ar_batch_ours": "token", "mars_batch": "block", "mars_batch_token": "
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to run. Batch methods run at every batch size above 1; hf_generate always runs (the reference)."""
+    """What to run. Batch methods run at every batch size above 1; ar always runs (the reference)."""
 
     taus: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8, 0.7)
     batch_sizes: tuple[int, ...] = (1, 4, 8)
@@ -119,15 +120,15 @@ class Outcome:
 
 
 def plan(config: BenchConfig) -> list[Job]:
-    """The jobs in running order: hf_generate first (every run is compared with its outputs)."""
+    """The jobs in running order: our AR first (every run is compared with its outputs)."""
     taus = tuple(dict.fromkeys(config.taus))
 
     def jobs_for(methods: Sequence[str], batch_size: int) -> list[Job]:
-        wanted = [m for m in methods if m in config.methods and m != "hf_generate"]
+        wanted = [m for m in methods if m in config.methods and not (m == "ar" and batch_size == 1)]
         fixed = lambda m: (None,) if m == "prompt_lookup" or m in llama_cpp.METHODS else (1.0,)
         return [Job(m, t, batch_size) for m in wanted for t in (taus if m in TAU_METHODS else fixed(m))]
 
-    jobs = [Job("hf_generate", 1.0, 1)]
+    jobs = [Job("ar", 1.0, 1)]
     if 1 in config.batch_sizes:
         jobs += jobs_for(SINGLE + llama_cpp.METHODS, 1)
     for b in sorted(b for b in set(config.batch_sizes) if b > 1):

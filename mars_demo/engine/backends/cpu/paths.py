@@ -1,7 +1,7 @@
 """Which CPU compute path a model decodes on (fp32, bf16, int8, int8dyn), chosen by measuring this machine.
 
 What a wider pass costs differs from CPU to CPU, so "auto" times the paths here (``pass_costs``),
-checks each one's teacher-forced dNLL against fp32, and picks the fastest that passes (``choose``);
+checks each one's teacher-forced dNLL against fp32, and picks the fastest that passes (``choose_path``);
 the MARS pass-width cap comes from the same curve (docs/METHOD.md, "CPU compute paths"). It measures
 only what can win: the likely winner first (``SURVEY_ORDER``), then each other path at one token, and
 only a path that this probe does not show slower at every width than one already measured gets its
@@ -212,7 +212,7 @@ def ar_rate(costs: dict[int, float], block_size: int) -> float:
     return 1 / costs[1]
 
 
-def choose(
+def choose_path(
     candidates: dict[str, dict], limit: float = DNLL_LIMIT, rows: int = 1, block_size: int = 4,
     rate: Callable[[dict[int, float], int], float] = ar_rate,
 ) -> str:
@@ -279,7 +279,7 @@ def dominated(first_ms: float, curve: dict[int, float]) -> bool:
 
     A pass feeding more tokens does at least the work of a narrower one, so a path's curve never falls
     below its one-token pass; one that costs more than ``curve``'s widest pass is slower at every width,
-    for one sequence (``decode_rate``) and for batches (``choose``) alike, and need not be measured further.
+    for one sequence (``decode_rate``) and for batches (``choose_path``) alike, and need not be measured further.
     The margin keeps a short probe's noise from pruning a path that is merely close.
     """
     return first_ms > max(curve.values()) * PRUNE_MARGIN
@@ -298,7 +298,7 @@ def survey(
 
     A path is first probed at one token (``curve_of(path, range(1, 2))``); if a passing path's curve
     dominates it (``dominated``), it is recorded as {"costs_ms": {1: ms}, "pruned": True}, else measured
-    at every width with its dnll. ``choose`` over the result picks what it would pick over every curve.
+    at every width with its dnll. ``choose_path`` over the result picks what it would pick over every curve.
     """
     found: dict[str, dict] = {}
     for i, path in enumerate(order, 1):
@@ -410,7 +410,7 @@ def select(
     """Measure (or read the cached table), put ``model`` on the chosen path in place, and say which.
 
     ``model`` must be fp32 on a CPU. "auto" surveys the paths, the likely winner first (``SURVEY_ORDER``,
-    ``survey``), and chooses for passes of ``rows`` tokens (``choose``); a named path is measured alone,
+    ``survey``), and chooses for passes of ``rows`` tokens (``choose_path``); a named path is measured alone,
     for its curve and cap. The table is cached in ``table_dir``/TABLE_FILE, int8dyn's calibration beside it.
     """
     precision = check_precision(precision)
@@ -432,7 +432,7 @@ def select(
         _write_atomically(table_path, json.dumps(table, indent=1) + "\n")
     chosen = precision
     if precision == "auto":
-        chosen = choose({p: entry[p] for p in paths}, rows=rows, block_size=block_size, rate=rate)
+        chosen = choose_path({p: entry[p] for p in paths}, rows=rows, block_size=block_size, rate=rate)
     if not cached:
         converted = candidates.keep_only(chosen)
     progress.report(f"putting the model on {chosen}")
