@@ -24,12 +24,13 @@ from ..backends.compiled import compiled_forward, new_cache, rewind
 from ..backends.cpu import lean
 from ..backends.placement import SeededGenerator, input_device
 from ..checkpoints.loading import LoadedModel
-from . import exact
+from . import exact, speculative
 from .acceptance import accept_prefix
 from .chat import prompt_ids
 from .commit import commit_tokens, cut_at_stop_string
-from .config import EXACT_IS_GREEDY, VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
+from .config import VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .metrics import Rates
+from .sampling import Sampling
 from .width import OneRow, Surface, WidthController
 
 
@@ -161,17 +162,23 @@ def forward_fed(model: PreTrainedModel, cache: DynamicCache, fed: exact.Fed) -> 
 
 def verify_pass(
     model: PreTrainedModel, cache: DynamicCache, pending: list[int], drafts: list[int], lookahead: int, mask_id: int,
-    tau: float, metric: str, fallback: bool = True,
+    tau: float, metric: str, fallback: bool = True, rule: speculative.Rule | None = None,
+    proposal: torch.Tensor | None = None,
 ) -> tuple[exact.Verdict, int]:
     """One verifying pass (exact.py): check the drafts, draft again, crop what is not kept off the cache.
 
+    ``rule``: at a temperature, the drafts (drawn from ``proposal``) are checked by speculative sampling.
     Returns the verdict and the pass's width (StepEvent.width: the columns fed past the pending tokens, plus one).
     """
     fed = exact.verify_window(
         pending, drafts, lookahead, mask_id, cache.get_seq_length(), model.dtype, input_device(model),
         fallback=fallback,
     )
-    verdict = exact.verify(forward_fed(model, cache, fed), drafts, lookahead, tau, metric)
+    logits = forward_fed(model, cache, fed)
+    if rule is None or rule.sampling.greedy:
+        verdict = exact.verify(logits, drafts, lookahead, tau, metric)
+    else:
+        verdict = rule.verify(logits, drafts, lookahead, tau, metric, proposal)
     cache.crop(-(fed.width - len(pending) - verdict.cached))  # rejected drafts and both mask groups
     return verdict, fed.width - len(pending) + 1
 
@@ -186,7 +193,7 @@ def pass_cache(model: PreTrainedModel, length: int, verifying: bool) -> tuple[Ca
 
 def mars_pass(
     model: PreTrainedModel, cache: Cache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
-    temperature: float, generator: SeededGenerator, max_fed: int | None, call=None, width: int | None = None,
+    sampling: Sampling, generator: SeededGenerator, max_fed: int | None, call=None, width: int | None = None,
 ) -> tuple[list[int], list[float], int]:
     """One MARS pass: feed [pending | masks], accept the confident prefix, drop the masks off the cache.
 
@@ -203,7 +210,9 @@ def mars_pass(
     width = 1 if tau >= 1.0 else width
     fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=masks.device), masks[:, : width - 1]], dim=1)
     logits = forward_window(model, cache, fed, width, call)
-    tokens, confs = accept_prefix(logits, tau, metric, temperature, generator.on(logits.device))
+    tokens, confs = accept_prefix(
+        logits, tau, metric, sampling.temperature, generator.on(logits.device), sampling.top_p, sampling.top_k
+    )
     rewind(cache, width - 1)  # accepted tokens are fed next pass
     return tokens, confs, width
 
@@ -224,22 +233,21 @@ def decode_passes(
     max_fed: int | None = None,
     verifying: bool = False,
     widths: OneRow | None = None,
+    top_p: float = 1.0, top_k: int = 0,
 ) -> Iterator[_Pass]:
     """The decoding loop in token space; ``window`` = 1 is plain AR decoding. The cache is local to it.
 
-    ``verifying``: the masks' guesses that tau does not accept become drafts that the next pass verifies
-    (exact.py; tau = 1.0 is lossless). ``max_fed`` caps the tokens fed after the prefill of a MARS pass
-    (``DecodeConfig``); ``widths`` (width.py) instead prices each MARS pass's width on the cost curve.
+    ``verifying``: guesses tau does not accept are drafts the next pass verifies (exact.py; at a temperature by
+    the rule, speculative.py). ``max_fed`` caps what a MARS pass feeds; ``widths`` (width.py) prices its width.
     """
-    if verifying and temperature > 0:
-        raise ValueError(EXACT_IS_GREEDY)
     check_prompt(model, len(prompt), lookahead(window, verifying))
     max_new_tokens = min(max_new_tokens, context_limit(model) - len(prompt) - lookahead(window, verifying) + 1)
     generator = SeededGenerator(seed)
+    rule = speculative.Rule(Sampling(temperature, top_p, top_k), generator)  # what a sampled pass draws with
     masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=input_device(model))  # placement.py
     cache, compiled = pass_cache(model, len(prompt) + max_new_tokens + window, verifying)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
-    drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
+    drafts, proposal = [], None  # verifying: guesses for the tokens after ``pending``; at a temperature their q
     depths = exact.DraftDepth(window - 1, getattr(getattr(model, "mars_compute", None), "costs_ms", None))
     history, produced = [*prompt], 0  # every committed token (where exact mode looks up drafts), their count
     while True:
@@ -248,14 +256,15 @@ def decode_passes(
         if verifying:
             # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
             depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
-            drafts = exact.pick_drafts(history, drafts, depth) if tau_now >= 1.0 else drafts[:depth]
-            verdict, width = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback)
+            drafts, proposal = speculative.pick_drafts(history, drafts, proposal, depth, tau_now >= 1.0)
+            verdict, width = verify_pass(model, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback,
+                                         rule, proposal)
             depths.observe(len(drafts), verdict.cached)
-            tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
-            pending = tokens[verdict.cached :]
+            tokens, confs, origins = verdict.tokens, verdict.confidences, verdict.origins
+            drafts, proposal, pending = verdict.drafts, verdict.proposal, tokens[verdict.cached :]
         else:
             chosen = widths.choose(tau_now, max_new_tokens - produced, len(pending), produced) if widths else None
-            tokens, confs, width = mars_pass(model, cache, pending, masks, tau_now, metric, temperature, generator,
+            tokens, confs, width = mars_pass(model, cache, pending, masks, tau_now, metric, rule.sampling, generator,
                                              max_fed if produced else None, compiled if produced else None, chosen)
             if chosen is not None:
                 widths.observe(tau_now, chosen, len(tokens))
@@ -323,7 +332,7 @@ def stream(
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), seed=config.seed,
         max_fed=resolve_max_fed(config.max_fed, model), verifying=verifying,
-        widths=width_controller(model, config, window),
+        widths=width_controller(model, config, window), top_p=config.top_p, top_k=config.top_k,
     )
     return _events(passes, Detokenizer(tokenizer), config.stop)
 

@@ -89,7 +89,7 @@ def stream_batch(
         block_size=window,
         mask_id=mask_id, pad_id=pad_id(tokenizer), tau=tau or LiveTau(config.tau), metric=config.metric,
         temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-        stop_ids=eos_ids(model, tokenizer), seed=config.seed, **settings,
+        stop_ids=eos_ids(model, tokenizer), seed=config.seed, top_p=config.top_p, top_k=config.top_k, **settings,
     )
 
 

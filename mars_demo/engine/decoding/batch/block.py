@@ -73,7 +73,7 @@ def block_passes(
     temperature: float = 0.0,
     max_new_tokens: int = 256,
     stop_ids: set[int] = frozenset(),
-    seed: int | None = None,
+    seed: int | None = None, top_p: float = 1.0, top_k: int = 0,
 ) -> Iterator[BatchEvent]:
     """Decode token-id ``prompts`` together, block by block; one BatchEvent per forward pass."""
     B, R = block_size, len(prompts)
@@ -103,7 +103,7 @@ def block_passes(
         kv.crop(window.drop)  # masks or re-fed slots: the prefix stays fixed while the block fills
         cached += kind == "extend"  # an extend pass's token stays in the cache
         tokens, confs = accept_rows(
-            logits, window.start, window.cap, tau_now, metric, temperature, generator.on(logits.device)
+            logits, window.start, window.cap, tau_now, metric, temperature, generator.on(logits.device), top_p, top_k
         )
         steps = book.commit_all(active, tokens, confs)
         for r in active:
