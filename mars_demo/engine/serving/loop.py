@@ -50,9 +50,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from ..backends.placement import SeededGenerator
 from ..decoding.batch.token import TokenBatch
-from ..decoding.config import MODES, VERIFYING_MODES, check_tau
+from ..decoding.config import MODES, RANGES, VERIFYING_MODES, check_tau
 from ..decoding.loop import context_limit
+from ..decoding.sampling import Sampling, check_temperature
 from ..decoding.width import Surface, WidthController
 
 LEVELS = (1.0, 0.95, 0.9, 0.8, 0.7)  # the latency policy's steps
@@ -235,15 +237,25 @@ class LoopEvent:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How the loop decodes: one mode for every row; ``max_batch`` bounds the running rows."""
+    """How the loop decodes: one mode for every row; ``max_batch`` bounds the running rows.
+
+    temperature, top_p, top_k: as in DecodeConfig (exact mode samples as AR does); ``seed``: one generator
+    for the loop's every draw, so a replay on a simulated clock samples the same tokens again.
+    """
 
     mode: str = "mars"
     max_batch: int = 8
     max_new_tokens: int = 128
     block_size: int = 4
     metric: str = "probability"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        check_temperature(self.temperature, RANGES["temperature"][1])
+        Sampling(self.temperature, self.top_p, self.top_k)  # checks top_p and top_k
         if self.mode not in MODES or self.mode == "ar":
             raise ValueError(f"serving mode must be one of mars, hybrid, exact (AR is fixed:1.0), got {self.mode!r}")
         for name in ("max_batch", "max_new_tokens", "block_size"):
@@ -263,6 +275,7 @@ class ServingLoop:
         self.model, self.mask_id, self.pad_id, self.stop_ids = model, mask_id, pad_id, set(stop_ids)
         self.config, self.policy, self.pass_cost = config, policy, pass_cost
         self.controller = WidthController(surface, config.block_size)
+        self.generator = SeededGenerator(config.seed)  # every batch's draws, newcomers' included
         self.clock = 0.0
         self.served: dict[int, Served] = {}
         self.queue: deque[int] = deque()
@@ -417,7 +430,8 @@ class ServingLoop:
         return TokenBatch(
             self.model, prompts, block_size=c.block_size, mask_id=self.mask_id,
             pad_id=self.pad_id, metric=c.metric, max_new_tokens=c.max_new_tokens, stop_ids=self.stop_ids,
-            verifying=c.mode in VERIFYING_MODES, controller=self.controller,
+            verifying=c.mode in VERIFYING_MODES, controller=self.controller, temperature=c.temperature,
+            top_p=c.top_p, top_k=c.top_k, generator=self.generator,
         )
 
     # -- a whole replay ------------------------------------------------------------------------
