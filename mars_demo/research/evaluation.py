@@ -29,7 +29,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -39,6 +38,7 @@ from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
 from ..engine.decoding.loop import collect, stream_ids
 from ..engine.decoding.metrics import REFERENCE_TAU, Rates, agreement, exact_match, prefix_agreement, speedup
 from ..engine.decoding.metrics import pooled_nll as pooled
+from ..engine.decoding.scoring import Scored, teacher_forced
 
 logger = logging.getLogger(__name__)
 
@@ -68,41 +68,6 @@ WARMUP_TOKENS = 8
 
 
 # --- metric functions: pure, on token ids -----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Scored:
-    """One teacher-forced pass over prompt + output: per output token, its NLL and the argmax there."""
-
-    nll: tuple[float, ...]  # -log p(output[i] | prompt, output[:i])
-    argmax: tuple[int, ...]  # argmax of p(. | prompt, output[:i]): what greedy AR would pick
-
-    @property
-    def total(self) -> float:
-        return sum(self.nll)
-
-    @property
-    def tokens(self) -> int:
-        return len(self.nll)
-
-
-@torch.inference_mode()
-def teacher_forced(model: PreTrainedModel, prompt: Sequence[int], output: Sequence[int]) -> Scored:
-    """Score ``output`` after ``prompt`` with one causal forward pass (no cache, no masks)."""
-    if not prompt:
-        raise ValueError("teacher forcing needs a non-empty prompt")
-    if not output:
-        return Scored((), ())
-    ids = torch.tensor([list(prompt) + list(output)], dtype=torch.long, device=model.device)
-    # The prediction for output[i] is read at position len(prompt) - 1 + i: keep len(output) + 1
-    # positions and drop the last, which predicts past the output.
-    logits = model(input_ids=ids, logits_to_keep=len(output) + 1).logits[0, :-1].float()  # (len(output), vocab)
-    logp = torch.log_softmax(logits, dim=-1)
-    target = ids[0, len(prompt) :]
-    nll = -logp.gather(1, target[:, None]).squeeze(1)  # (len(output),)
-    packed = torch.cat([nll.double(), logits.argmax(dim=-1).double()]).tolist()  # one host sync
-    n = len(output)
-    return Scored(tuple(packed[:n]), tuple(int(t) for t in packed[n:]))
 
 
 def mean_nll(model: PreTrainedModel, prompt: Sequence[int], output: Sequence[int]) -> float:
