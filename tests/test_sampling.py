@@ -241,6 +241,18 @@ def test_top_k_and_top_p_exclude_what_they_must():
     assert tokens <= {0, 2, 4} and len(tokens) > 1
 
 
+def test_draw_follows_the_weights_across_blocks():
+    """Inverse CDF by blocks: weights spread over several blocks, empty blocks between them, unnormalised."""
+    weights = torch.zeros(1000)
+    weights[[3, 255, 256, 600, 999]] = torch.tensor([1.0, 2.0, 3.0, 0.5, 1.5])
+    samples = sampling.draw(weights.expand(16000, -1), torch.Generator().manual_seed(2)).tolist()
+    expected = {(t,): float(w) / float(weights.sum()) for t, w in enumerate(weights) if w > 0}
+    assert chi_square_p([(t,) for t in samples], expected) > SIGNIFICANCE
+    one = torch.zeros(2, 300)
+    one[0, 299], one[1, 0] = 1e-30, 5.0  # a single token, however small its weight, is the draw
+    assert sampling.draw(one, None).tolist() == [299, 0]
+
+
 def test_hybrid_drafts_keep_q_given_the_failed_test():
     q = torch.tensor([0.6, 0.25, 0.1, 0.05])
     assert torch.allclose(sampling.failed_test(q, q, 0.5), torch.tensor([0.0, 0.625, 0.25, 0.125]))

@@ -68,31 +68,40 @@ class Sampling:
     def filtered(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0
 
-    def filter(self, scaled: torch.Tensor, tempered: torch.Tensor | None = None) -> torch.Tensor:
-        """(..., vocab) ``scaled`` logits (logits / temperature) with -inf outside the top-k and the nucleus.
+    def keep(self, scaled: torch.Tensor, tempered: torch.Tensor) -> torch.Tensor | None:
+        """(..., vocab) bool, the tokens top-k and then top-p leave; None without filters.
 
-        tempered: their softmax, where the caller has it.
+        scaled: logits / temperature; tempered: their softmax.
         """
+        keep = None
         if 0 < self.top_k < scaled.shape[-1]:
-            kth = scaled.topk(self.top_k, dim=-1).values[..., -1:]
-            scaled, tempered = scaled.masked_fill(scaled < kth, -math.inf), None
+            keep = scaled >= scaled.topk(self.top_k, dim=-1).values[..., -1:]
         if self.top_p < 1.0:
-            probs = tempered if tempered is not None else torch.softmax(scaled, dim=-1)
-            scaled = scaled.masked_fill(~nucleus(probs, self.top_p), -math.inf)
-        return scaled
+            probs = tempered if keep is None else _normalised(tempered * keep)  # the nucleus of what top-k left
+            kept = nucleus(probs, self.top_p)
+            keep = kept if keep is None else keep & kept
+        return keep
+
+    def filter(self, scaled: torch.Tensor, tempered: torch.Tensor) -> torch.Tensor:
+        """(..., vocab) ``scaled`` logits with -inf outside the top-k and the nucleus (``keep``)."""
+        keep = self.keep(scaled, tempered)
+        return scaled if keep is None else scaled.masked_fill(~keep, -math.inf)
 
     def split(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tempered, drawn), each (..., vocab): softmax(logits / temperature), which confidence is read from,
         and the distribution a token is drawn from (the filters applied; the same tensor without them)."""
         scaled = logits.float() / self.temperature
         tempered = torch.softmax(scaled, dim=-1)
-        if not self.filtered:
-            return tempered, tempered
-        return tempered, torch.softmax(self.filter(scaled, tempered), dim=-1)
+        keep = self.keep(scaled, tempered)
+        return tempered, tempered if keep is None else _normalised(tempered * keep)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., vocab) the distribution a token is drawn from."""
         return self.split(logits)[1]
+
+
+def _normalised(weights: torch.Tensor) -> torch.Tensor:
+    return weights / weights.sum(-1, keepdim=True)
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -114,17 +123,34 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs >= top.gather(-1, kept - 1)
 
 
+BLOCK = 256  # draw: the cumulative sum is taken over blocks of BLOCK tokens, then inside the chosen one
+
+
 def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``weights`` (rows, vocab), non-negative and not all zero (normalised or not).
 
-    By the inverse of the cumulative sum: one uniform per row (torch.multinomial draws one per token).
+    By the inverse of the cumulative sum, one uniform per row (torch.multinomial draws one per token): the
+    block whose cumulative mass first passes u, then the token inside it; a full cumulative sum over a
+    large vocabulary costs more than the rest of a pass's sampling.
     """
-    cdf = weights.double().cumsum(-1)  # (rows, vocab)
-    total = cdf[:, -1:].contiguous()
-    u = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=torch.float64)
-    index = torch.searchsorted(cdf, u * total, right=True)  # the first token whose cumulative sum passes u
-    last = torch.searchsorted(cdf, total)  # the last token with any weight, where u * total rounds up to total
-    return torch.minimum(index, last).squeeze(-1)
+    rows, vocab = weights.shape
+    blocks = -(-vocab // BLOCK)
+    tiled = torch.nn.functional.pad(weights, (0, blocks * BLOCK - vocab)).view(rows, blocks, BLOCK)
+    cdf = tiled.sum(-1, dtype=torch.float64).cumsum(-1)  # (rows, blocks)
+    u = torch.rand(rows, 1, generator=generator, device=weights.device, dtype=torch.float64) * cdf[:, -1:]
+    block = _first_past(cdf, u, cdf.diff(dim=-1, prepend=cdf.new_zeros(rows, 1)) > 0)  # (rows,)
+    chosen = tiled[torch.arange(rows, device=weights.device), block]  # (rows, BLOCK)
+    before = torch.where(block > 0, cdf.gather(-1, (block - 1).clamp_min(0)[:, None]).squeeze(-1), 0.0)
+    inner = chosen.double().cumsum(-1) + before[:, None]
+    return block * BLOCK + _first_past(inner, u, chosen > 0)
+
+
+def _first_past(cdf: torch.Tensor, u: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """(rows,) the first place whose cumulative sum passes u (rows, 1), else, where rounding puts u at the very
+    end, the last place with any weight (``positive``)."""
+    index = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    last = cdf.shape[-1] - 1 - positive.flip(-1).long().argmax(-1)
+    return torch.minimum(index, last)
 
 
 def held(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
