@@ -114,6 +114,19 @@ def test_exact_mode_samples_as_ar_sampling(drafty):
     assert chi_square_p(samples, ar_distribution(drafty, ids, TOP_K, 3)) > SIGNIFICANCE
 
 
+def test_copied_drafts_sample_as_ar_sampling_too(drafty, monkeypatch):
+    """The prompt's last two tokens occurred earlier, followed by 60 70 80: exact mode's first pass copies
+    60 70 as drafts (lookup: a one-hot q), kept or rejected by the rule; the output is still AR sampling's."""
+    base = prompt_ids(drafty.tokenizer, PROMPTS[0])
+    ids = base + [60, 70, 80] + base[-2:]
+    copied = []
+    lookup = speculative.exact.lookup
+    monkeypatch.setattr(speculative.exact, "lookup", lambda *a, **k: copied.append(found := lookup(*a, **k)) or found)
+    samples = exact_runs(drafty, ids, TOP_K, 800, 3, block_size=3)
+    assert sum(c == [60, 70] for c in copied) == 800  # every run's first pass
+    assert chi_square_p(samples, ar_distribution(drafty, ids, TOP_K, 3)) > SIGNIFICANCE
+
+
 @pytest.mark.parametrize("how", [TOP_K, TOP_P], ids=["top-k", "top-p"])
 def test_batched_exact_mode_and_ar_sampling_sample_the_same_distribution(drafty, how):
     """Token-level batches, every row the same prompt: exact mode (three drafts a pass) and AR sampling."""
