@@ -136,6 +136,34 @@ def test_batched_exact_mode_and_ar_sampling_sample_the_same_distribution(drafty,
     assert chi_square_p(batch_runs(drafty, ids, how, 2000, 2, block_size=1, verifying=False), expected) > SIGNIFICANCE
 
 
+@torch.inference_mode()
+def hybrid_distribution(lm, ids: list[int], how: Sampling, tau: float) -> dict[tuple[int, int], float]:
+    """Hybrid mode's first two tokens at block 2, exactly: the first from p; the mask's guess g ~ q is taken on
+    confidence when its tempered probability c(g) >= tau, else checked by the rule, which then gives p. So
+    P(t2 = x | t1) = q(x) [c(x) >= tau] + P(c(g) < tau) p(x | t1)."""
+    logits = lm.model(input_ids=torch.tensor([ids + [lm.meta.mask_token_id]])).logits[0, -1]
+    tempered, q = (v.double() for v in how.split(logits))
+    confident = q * (tempered >= tau)
+    out = {}
+    for (t1,), w in ar_distribution(lm, ids, how, 1).items():
+        p2 = how.probs(lm.model(input_ids=torch.tensor([ids + [t1]])).logits[0, -1]).double()
+        both = confident + (1 - confident.sum()) * p2
+        out |= {(t1, x): w * float(both[x]) for x in both.nonzero().flatten().tolist()}
+    return out
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["the rule", "q not given the failed test"])
+def test_hybrid_verifies_exactly_what_it_does_not_take_on_confidence(drafty, monkeypatch, broken):
+    """Hybrid's guarantee (docs/METHOD.md): a guess kept back by its confidence is checked against the mask's
+    q given that failure (sampling.failed_test); checked against q itself, the rule would be wrong."""
+    ids = prompt_ids(drafty.tokenizer, PROMPTS[0])
+    if broken:
+        monkeypatch.setattr(speculative, "failed_test", lambda q, tempered, tau: q)
+    tau = 0.2  # the mask's likeliest guess (c = 0.30) is taken on confidence, its others (c < 0.06) are checked
+    p = chi_square_p(exact_runs(drafty, ids, TOP_K, 800, 2, tau=tau), hybrid_distribution(drafty, ids, TOP_K, tau))
+    assert p < 1e-8 if broken else p > SIGNIFICANCE
+
+
 def _always_accept(p, q, drafts, uniforms):
     return torch.full(drafts.shape[:-1], drafts.shape[-1])
 
