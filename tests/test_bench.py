@@ -73,6 +73,7 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     (["--temperature", "nan"], "temperature"),
     (["--temperature", "0.7", "--top-k", "-1"], "top-k"),
     (["--temperature", "0.7", "--seeds", "1,x"], "--seeds"),
+    (["--temperature", "0.7", "--methods", "hf_generate,mars_batch"], "at a temperature bench runs"),
 ])
 def test_bad_input_is_one_line_exit_2(prompts_file, flags, message, monkeypatch, capsys):
     monkeypatch.setattr(bench_command, "load_model", lambda *a, **k: pytest.fail("loaded a model on bad input"))

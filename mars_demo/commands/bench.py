@@ -24,7 +24,7 @@ from ..engine.decoding.config import DecodeConfig
 from ..engine.decoding.sampling import Sampling
 from ..research.benchmark import KNOWN, METHODS, BenchConfig, run_benchmark
 from ..research.distillation import read_prompts
-from ..research.sampled_bench import run_sampled_benchmark
+from ..research.sampled_bench import plan_sampled, run_sampled_benchmark
 from ..research.tables import text_table
 
 HELP = "benchmark HF generate, our AR, MARS, batch decoding and prompt lookup: speed and quality"
@@ -138,6 +138,7 @@ def run_sampled(args: argparse.Namespace, lm, prompts: list[str], config: BenchC
     except ValueError as err:
         raise UserError(str(err)) from None
     report = {"command": command_line(args, config), "argv": sys.argv, **report}
+    report["machine"]["compiled_decoding"] = bool(args.compile)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     print(text_table(report["summary"], SAMPLED_COLUMNS, left=1))
@@ -152,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = parse_config(args)  # every value checked before the model loads
     sampled = not parse_sampling(args)[0].greedy
+    if sampled:
+        plan_sampled(config)  # refuses a list of greedy-only methods now, not after the load
     if not args.prompts.is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
     prompts = read_prompts(args.prompts)
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     lm = load_model(  # auto chooses the path for the smallest batch measured (batch 1: AR's one-token pass)
         args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision(),
-        rows=min(config.batch_sizes),
+        rows=1 if sampled else min(config.batch_sizes),  # a sampled bench decodes one sequence at a time
     )
     if args.compile:
         if lm.device.type != "cuda":
