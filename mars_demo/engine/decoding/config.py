@@ -46,7 +46,8 @@ class DecodeConfig:
       top1 - top2 probability margin >= tau.
     temperature: 0 is greedy; above 0 samples (MARS and AR: Gumbel-max noise; exact and hybrid: the rule).
     top_p, top_k: above temperature 0, draw only from the smallest set of most likely tokens whose
-      probability reaches top_p (1: off), and only from the top_k most likely (0: off). sampling.py.
+      probability reaches top_p (1: off), and only from the top_k most likely (0: off); confidence
+      is read before them. sampling.py.
     stop: strings that end the output; the output ends with the stop string, as in transformers.
     max_fed: how wide a MARS pass is, for CPUs where a pass's cost grows with its width. "auto":
       each pass's width priced on the model's measured CPU compute path (engine/width.py; batches:

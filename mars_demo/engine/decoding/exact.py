@@ -9,7 +9,8 @@ and see only the verified prefix (a 4-D attention mask), so a rejection still
 leaves guesses for the next pass to verify. With tau < 1 (hybrid), the guesses of
 the group that starts at the newest verified token are accepted on confidence as
 in MARS, and the rest become drafts. Every committed token is the AR argmax given
-the tokens before it, so at tau = 1.0 the output is greedy AR's.
+the tokens before it, so at tau = 1.0 the output is greedy AR's. At a temperature the
+same pass is read by the speculative-sampling rule instead (speculative.py).
 """
 
 from __future__ import annotations
