@@ -144,7 +144,8 @@ def _sidebar(policy: ModelPolicy, gpu: bool, limits: Limits) -> dict:
             [("MARS (confidence)", "mars"), ("Exact (verified)", "exact"), ("Hybrid", "hybrid")], value="mars",
             label="Decoding", elem_id="mode",
             info="Exact: the masks' guesses are drafts the next pass verifies, so the text is the AR "
-            "baseline's, in fewer passes (greedy only). Hybrid: confident guesses accepted, the rest verified.",
+            "baseline's (sampled: distributed as AR sampling's), in fewer passes. Hybrid: confident guesses "
+            "accepted, the rest verified.",
         )
         c["tau"] = _slider(
             "tau", "tau", DEFAULTS.tau,
@@ -156,8 +157,13 @@ def _sidebar(policy: ModelPolicy, gpu: bool, limits: Limits) -> dict:
                                       top=limits.max_new_tokens, elem_id="max-new-tokens")
         c["metric"] = gr.Radio(list(METRICS), value=DEFAULTS.metric, label="Metric", elem_id="metric",
                                info="probability ≥ tau, entropy ≤ tau, or top-1 minus top-2 margin ≥ tau")
-        c["temperature"] = _slider("temperature", "Temperature", DEFAULTS.temperature, "0 is greedy.",
-                                   elem_id="temperature")
+        c["temperature"] = _slider("temperature", "Temperature", DEFAULTS.temperature,
+                                   "0 is greedy. Above 0 every mode samples, and the two sides of a race from "
+                                   "their own seeds.", elem_id="temperature")
+        c["top_p"] = _slider("top_p", "Top-p", DEFAULTS.top_p, "Sample only from the most likely tokens that "
+                             "together reach this probability (1 = off).", elem_id="top-p")
+        c["top_k"] = _slider("top_k", "Top-k", DEFAULTS.top_k, "Sample only from the k most likely (0 = off).",
+                             elem_id="top-k")
         c["full_window"] = gr.Checkbox(
             value=False, label="Full window every pass (as in the paper)", elem_id="full-window",
             info="Off: on a CPU each pass is as wide as pays on the measured compute path's cost (the race's "
@@ -293,13 +299,13 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
     settings = pick(("model", "tau", "block_size", "max_new_tokens", "metric", "temperature", "full_window", "with_ar"))
     run_event = gr.on(
         [c["run"].click, c["prompt"].submit], gpu_handler(handlers.run, RUN_SECONDS),
-        [c["prompt"], *settings, session, c["mode"], c["precision"]], race,
+        [c["prompt"], *settings, session, c["mode"], c["precision"], c["top_p"], c["top_k"]], race,
         concurrency_limit=concurrency, concurrency_id="decode", validator=validator,
         show_progress="minimal", show_progress_on=[c["mars_pane"]],  # queue position and timer, no overlay
     )
     c["stop"].click(handlers.stop, [session], race, cancels=[run_event], concurrency_limit=None)
     sweep_inputs = ("sweep_prompts", "sweep_taus", "sweep_tokens", "model", "block_size", "metric", "temperature",
-                    "full_window", "precision")
+                    "full_window", "precision", "top_p", "top_k")
     sweep_event = c["sweep_run"].click(
         gpu_handler(handlers.sweep, SWEEP_SECONDS), pick(sweep_inputs), pick(SWEEP_OUTPUTS),
         concurrency_limit=concurrency, concurrency_id="decode", validator=validator,

@@ -16,6 +16,7 @@ import sys
 from . import commands
 from .engine.backends.cpu.paths import PRECISION_ENV, PRECISIONS
 from .engine.checkpoints.loading import BUNDLED, ModelLoadError
+from .engine.decoding.config import DecodeConfig
 
 
 class UserError(Exception):
@@ -51,6 +52,20 @@ def add_max_fed_argument(parser: argparse.ArgumentParser) -> None:
         "(for expected tokens per ms; batches: the cost surface), the full window on a GPU; none = always B-1 "
         "masks, as in the paper; N = at most N tokens fed (accepted + masks) (default: auto)",
     )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, seeds: bool = False) -> None:
+    """--temperature, --top-p, --top-k and --seed (``seeds``: --seeds, several); DecodeConfig checks the values."""
+    defaults = DecodeConfig()
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help="0 = greedy; above 0 every mode samples (exact: distributed as AR sampling)")
+    parser.add_argument("--top-p", type=float, default=defaults.top_p,
+                        help="sample from the smallest set of tokens whose probability reaches P, 0 < P <= 1 (1 = off)")
+    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="sample from the K most likely (0 = off)")
+    if seeds:
+        parser.add_argument("--seeds", default="0", help="comma-separated seeds: one run per seed when sampling")
+    else:
+        parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
 
 
 def add_precision_argument(parser: argparse.ArgumentParser) -> None:

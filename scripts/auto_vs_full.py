@@ -17,6 +17,7 @@ import torch
 
 from mars_demo.engine.backends.cpu import paths
 from mars_demo.engine.checkpoints.loading import load_model
+from mars_demo.engine.decoding.exact import decode_rate
 from mars_demo.engine.machine import cache_dir
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for prune in (True, False):
             found, seconds = one(candidates, widths, prune)
-            path = paths.choose(found, block_size=lm.meta.block_size)
+            path = paths.choose_path(found, rate=decode_rate, block_size=lm.meta.block_size)
             costs = {int(w): ms for w, ms in found[path]["costs_ms"].items()}
             rows.append({"survey" if prune else "full": path, "cap": paths.cap_from_costs(costs),
                          "seconds": round(seconds, 2), "measured": [p for p in found if "dnll" in found[p]],

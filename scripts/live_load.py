@@ -18,7 +18,8 @@ from pathlib import Path
 
 from mars_demo.engine.checkpoints.loading import BUNDLED, load_for_decoding
 from mars_demo.engine.decoding.chat import prompt_ids
-from mars_demo.engine.serving.loop import ServeConfig, parse_policy
+from mars_demo.engine.serving.loop import ServeConfig
+from mars_demo.engine.serving.policies import parse_policy
 from mars_demo.engine.serving.shared import LIVE_POLICY, SharedBatch
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 

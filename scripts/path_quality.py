@@ -43,7 +43,7 @@ def compare(model: str | None, prompts: list[str], paths: list[str], max_new_tok
         return out, time.perf_counter() - started
 
     def nll_under_fp32(outputs: list[list[int]]) -> float:
-        return pooled_nll([teacher_forced(reference.model, x, o) for x, o in zip(ids, outputs, strict=True)])
+        return pooled_nll([teacher_forced(reference.backend, x, o) for x, o in zip(ids, outputs, strict=True)])
 
     fp32_out, seconds = outputs_of(reference)
     fp32_nll = nll_under_fp32(fp32_out)

@@ -363,8 +363,45 @@ def test_exact_mode_races_ar_with_the_same_text_and_marks_verified_drafts(handle
     html = mars_pane([step], "running", None, "exact")
     assert "<script" not in html and html.count('class="tok draft" data-tip') == 2
     assert "draft verified by the AR head" in html and "the AR head&#x27;s token" in html
-    with pytest.raises(gr.Error, match="temperature 0"):
-        next(handlers.run(PROMPT, s["spec"], 1.0, s["block_size"], 8, s["metric"], 0.5, False, True, session, "exact"))
+
+
+def test_a_sampled_race_seeds_its_lanes_apart_and_reports_nll(handlers):
+    """Sampled, the lanes draw from seeds one apart (in the trace), every token says where it came from, and
+    the summary gives each side's NLL under the model where a greedy race says how many tokens agree."""
+    session, s = Session(), SETTINGS
+    outputs = list(handlers.run(PROMPT, s["spec"], 1.0, s["block_size"], 16, s["metric"], 0.8, False, True,
+                                session, "exact", None, 0.9, 20))
+    trace = session.trace
+    assert trace.config.temperature == 0.8 and trace.config.top_p == 0.9 and trace.config.top_k == 20
+    assert trace.config.seed is not None and trace.ar_seed == trace.config.seed + 1
+    assert set(trace.nll) == {"mars", "ar"} and all(v > 0 for v in trace.nll.values())
+    final = named(RACE_OUTPUTS, outputs[-1])
+    summary = final["summary_plot"].data[0].cells.values
+    assert "same tokens as AR" not in summary[0]
+    row = summary[0].index("NLL / token under the model")
+    assert summary[1][row] == f"{trace.nll['mars']:.3f}" and summary[2][row] == f"{trace.nll['ar']:.3f}"
+    saved = json.loads(Path(final["json_file"]["value"]).read_text())
+    assert saved["ar_seed"] == trace.ar_seed and saved["config"]["top_p"] == 0.9
+    assert saved["sides"]["mars"]["nll_per_token"] == round(trace.nll["mars"], 5)
+    origins = [o for p in saved["sides"]["mars"]["passes"] for o in p["origins"]]
+    assert len(origins) == saved["sides"]["mars"]["tokens"] and set(origins) <= {"ar", "draft", "resampled", "bonus"}
+    rows = list(csv.DictReader(io.StringIO(Path(final["csv_file"]["value"]).read_text())))
+    assert all(len(json.loads(r["origins"])) == int(r["tokens"]) for r in rows)
+    step = StepEvent(0, (1, 2), ("<img src=x>", "x"), (0.9, 0.8), 1.0, 0.01, None, ("resampled", "bonus"))
+    html = mars_pane([step], "running", None, "exact")
+    assert "<img" not in html and "drawn again after the AR head rejected a draft" in html and "bonus:" in html
+
+
+@pytest.mark.parametrize("top_p, top_k, message", [
+    (0.0, 0, "top-p"), (1.5, 0, "Top-p"), (float("nan"), 0, "Top-p"), ("abc", 0, "Top-p"), (0.9, -1, "Top-k"),
+    (0.9, 2.5, "Top-k"), (0.9, float("nan"), "Top-k"), (0.9, "<script>", "Top-k"),
+])
+def test_bad_sampling_settings_get_a_clear_message(handlers, top_p, top_k, message):
+    s = SETTINGS
+    with pytest.raises(gr.Error, match=message) as caught:
+        next(handlers.run(PROMPT, s["spec"], 0.9, 4, 8, s["metric"], 0.7, False, True, Session(), "mars", None,
+                          top_p, top_k))
+    assert "<script>" not in str(caught.value)
 
 
 def test_views_land_on_each_side_in_proportion_to_its_decoding_time():

@@ -264,3 +264,25 @@ def test_tau_one_passes_without_masks_accept_what_masked_passes_would(tiny_llama
     slow, slow_events = _scheduled(tiny_llama, ids, scheme, [1 - 1e-6 if t == 1.0 else t for t in schedule])
     assert fast == slow and len(fast_events) == len(slow_events)
     assert sum(e.fed for e in fast_events) < sum(e.fed for e in slow_events)
+
+
+@pytest.mark.parametrize(
+    "scheme, mode", [("block", "mars"), ("token", "mars"), ("token", "exact"), ("token", "hybrid")]
+)
+def test_batches_take_the_sampling_settings(tiny_qwen, scheme, mode):
+    """top-k 1 at temperature 1 leaves one token to draw and greedy's confidences: the greedy batch, pass for
+    pass; other settings sample, seeded (tests/test_sampling.py holds exact mode's distribution to AR's)."""
+    ids = _ids(tiny_qwen)
+
+    def run(config):
+        return collect_batch(stream_batch(
+            tiny_qwen.backend, tiny_qwen.tokenizer, ids, config, mask_id=tiny_qwen.meta.mask_token_id, block_size=4,
+            scheme=scheme,
+        ))
+
+    greedy = DecodeConfig(mode=mode, tau=0.5, max_new_tokens=NEW, max_fed=None)
+    expected = run(greedy)
+    assert run(greedy.with_(temperature=1.0, top_k=1, seed=3)).token_ids == expected.token_ids
+    sampled = greedy.with_(temperature=0.9, top_p=0.9, top_k=40, seed=3)
+    first, again, other = run(sampled), run(sampled), run(sampled.with_(seed=4))
+    assert first.token_ids == again.token_ids != other.token_ids

@@ -68,6 +68,12 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     (["--batch-sizes", "2,x"], "--batch-sizes"),
     (["--methods", "ar,warp"], "unknown method"),
     (["--limit", "0"], "--limit"),
+    (["--temperature", "0.7", "--top-p", "0"], "top-p"),
+    (["--temperature", "0.7", "--top-p", "nan"], "top-p"),
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "0.7", "--top-k", "-1"], "top-k"),
+    (["--temperature", "0.7", "--seeds", "1,x"], "--seeds"),
+    (["--temperature", "0.7", "--methods", "hf_generate,mars_batch"], "at a temperature bench runs"),
 ])
 def test_bad_input_is_one_line_exit_2(prompts_file, flags, message, monkeypatch, capsys):
     monkeypatch.setattr(bench_command, "load_model", lambda *a, **k: pytest.fail("loaded a model on bad input"))
@@ -75,6 +81,31 @@ def test_bad_input_is_one_line_exit_2(prompts_file, flags, message, monkeypatch,
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_sampled_bench_reports_speed_and_nll_over_seeds(tmp_path, prompts_file, monkeypatch, capsys):
+    lm = make_lm("qwen2")
+    monkeypatch.setattr(bench_command, "load_model", lambda *a, **k: lm)
+    out = tmp_path / "sampled.json"
+    code = cli.main([
+        "bench", "--model", "tiny", "--prompts", str(prompts_file), "--taus", "0.5", "--batch-sizes", "1",
+        "--methods", "ar,mars,mars_exact,mars_batch", "--max-new-tokens", "6", "--temperature", "0.7",
+        "--top-p", "0.9", "--seeds", "0,1", "--out", str(out),
+    ])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert {(r["method"], r["seed"]) for r in report["runs"]} == {
+        (m, s) for m in ("ar", "mars", "mars_exact") for s in (0, 1)
+    }
+    summary = {r["method"]: r for r in report["summary"]}
+    assert summary["ar"]["speedup"] == 1.0 and summary["ar"]["seeds"] == 2
+    for row in summary.values():
+        assert row["tokens"] > 0 and row["nll_self_min"] <= row["nll_self"] <= row["nll_self_max"]
+    assert summary["mars_exact"]["tokens_per_forward"] >= 1.0 and "nll_within_ar_spread" in summary["mars_exact"]
+    assert report["settings"]["temperature"] == 0.7 and report["settings"]["top_p"] == 0.9
+    assert "--temperature 0.7 --top-p 0.9 --top-k 0 --seeds 0,1" in report["command"]
+    printed = capsys.readouterr().out
+    assert "mars_exact" in printed and "NLL (mean)" in printed
 
 
 def test_plan_always_has_the_reference_and_batch_methods_above_one():

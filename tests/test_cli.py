@@ -45,7 +45,7 @@ def test_generate_max_fed_none_gives_the_full_window(model_dir, capsys):
     assert auto["compute_path"]["costs_ms"] and all(1 <= len(s["tokens"]) <= 4 for s in auto["steps"])
 
 
-def test_generate_exact_mode_prints_greedy_ar_and_the_origin_of_each_token(model_dir, capsys):
+def test_generate_exact_mode_prints_the_origin_of_each_token_greedy_or_sampled(model_dir, capsys):
     def run(*flags):
         argv = ["generate", "--model", model_dir, "--prompt", "Count.", "--max-new-tokens", "12", "--json", *flags]
         assert main(argv) == 0
@@ -54,8 +54,11 @@ def test_generate_exact_mode_prints_greedy_ar_and_the_origin_of_each_token(model
     ar, exact = run("--mode", "ar"), run("--mode", "exact")
     assert exact["token_ids"] == ar["token_ids"]
     assert all(len(s["origins"]) == len(s["tokens"]) and set(s["origins"]) <= {"ar", "draft"} for s in exact["steps"])
-    assert main(["generate", "--model", model_dir, "--prompt", "x", "--mode", "exact", "--temperature", "0.5"]) == 2
-    assert "temperature 0" in capsys.readouterr().err
+    flags = ("--mode", "exact", "--temperature", "0.8", "--top-p", "0.95", "--top-k", "20", "--seed", "3")
+    sampled = run(*flags)
+    assert run(*flags)["token_ids"] == sampled["token_ids"]  # seeded: reproducible
+    origins = {o for s in sampled["steps"] for o in s["origins"]}
+    assert origins <= {"ar", "draft", "resampled", "bonus"} and len(sampled["token_ids"]) == 12
 
 
 def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
@@ -78,10 +81,16 @@ def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
         (["--prompt", "hi", "--max-new-tokens", "0"], "max new tokens"),
         (["--prompt", "hi", "--model", "/no/such/model"], "unknown model"),
         (["--prompts-file", "/no/such/file.json"], "not found"),
+        (["--prompt", "hi", "--temperature", "nan"], "temperature"),
+        (["--prompt", "hi", "--temperature", "0.7", "--top-p", "0"], "top-p"),
+        (["--prompt", "hi", "--temperature", "0.7", "--top-p", "1.5"], "top-p"),
+        (["--prompt", "hi", "--temperature", "0.7", "--top-p", "nan"], "top-p"),
+        (["--prompt", "hi", "--temperature", "0.7", "--top-k", "-1"], "top-k"),
+        (["--prompt", "hi", "--temperature", "0.7", "--top-k", "2.5"], "top-k"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
-    parse_error = "abc" in args or "--max-fed" in args  # argparse refuses these itself
+    parse_error = "abc" in args or "--max-fed" in args or "2.5" in args  # argparse refuses these itself
     with pytest.raises(SystemExit) if parse_error else _no_raise() as raised:
         code = main(["generate", *args])
     code = raised.value.code if parse_error else code

@@ -151,19 +151,19 @@ def test_mean_nll_equals_the_language_modelling_loss(tiny_llama):
     labels = torch.tensor([[-100] * len(ids) + out])
     with torch.no_grad():
         loss = tiny_llama.model(input_ids=torch.tensor([ids + out]), labels=labels).loss
-    assert mean_nll(tiny_llama.model, ids, out) == pytest.approx(float(loss), rel=1e-4)
+    assert mean_nll(tiny_llama.backend, ids, out) == pytest.approx(float(loss), rel=1e-4)
     with pytest.raises(ValueError):
-        mean_nll(tiny_llama.model, ids, [])
+        mean_nll(tiny_llama.backend, ids, [])
 
 
 def test_own_greedy_output_scores_better_than_random_tokens(tiny_llama):
     ids, out = _greedy(tiny_llama, PROMPTS[1])
     generator = torch.Generator().manual_seed(0)
     random = torch.randint(0, len(tiny_llama.tokenizer), (len(out),), generator=generator).tolist()
-    assert mean_nll(tiny_llama.model, ids, out) < mean_nll(tiny_llama.model, ids, random)
+    assert mean_nll(tiny_llama.backend, ids, out) < mean_nll(tiny_llama.backend, ids, random)
     # Teacher forcing reads back the greedy choices: a MARS output equal to the greedy output
     # agrees with AR on every extra token, however it was split into passes.
-    scored = teacher_forced(tiny_llama.model, ids, out)
+    scored = teacher_forced(tiny_llama.backend, ids, out)
     assert list(scored.argmax) == out
     passes, left = [], len(out)
     for size in [3, 1, 4] * len(out):
@@ -182,7 +182,7 @@ def test_evaluate_with_a_separate_base_and_a_foreign_tokenizer(tiny_llama):
     greedy = [r["base_greedy"]["token_ids"] for r in report["per_prompt"]]
     assert greedy == [_greedy(base, p, 5)[1] for p in PROMPTS[:2]]  # decoded by the base, not the model
     assert report["tau1_vs_base_nll"] > 0  # the base likes its own greedy output best
-    own_argmax = [teacher_forced(tiny_llama.model, prompt_ids(tiny_llama.tokenizer, p), g).argmax
+    own_argmax = [teacher_forced(tiny_llama.backend, prompt_ids(tiny_llama.tokenizer, p), g).argmax
                   for p, g in zip(PROMPTS[:2], greedy)]
     agreeing = sum(a == t for argmax, g in zip(own_argmax, greedy) for a, t in zip(argmax, g))
     assert report["base_argmax_agreement"] == agreeing / sum(map(len, greedy)) < 1.0

@@ -13,7 +13,8 @@ from test_serving import NEW, TEXTS, alone, alone_at
 
 from mars_demo.engine.checkpoints.loading import BUNDLED, load_for_decoding
 from mars_demo.engine.decoding.chat import prompt_ids
-from mars_demo.engine.serving.loop import Ladder, Load, ServeConfig, parse_policy
+from mars_demo.engine.serving.loop import ServeConfig
+from mars_demo.engine.serving.policies import Ladder, Load, parse_policy
 from mars_demo.engine.serving.shared import Busy, SharedBatch, SharedBatches
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
 

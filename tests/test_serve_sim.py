@@ -43,7 +43,7 @@ def test_simulation_on_a_tiny_model(tiny_qwen):
         rate=50.0, requests=8, policies=("fixed:1.0", "fixed:0.15", "adaptive"), max_batch=3, max_new_tokens=12
     )
     pool = [prompt_ids(tiny_qwen.tokenizer, p) for p in PROMPTS]
-    result = simulate(tiny_qwen, config, pool, base=tiny_qwen.model)
+    result = simulate(tiny_qwen, config, pool, base=tiny_qwen.backend)
     names = [p["summary"]["policy"] for p in result["policies"]]
     assert names == ["fixed:1", "fixed:0.15", "adaptive"]
     for policy in result["policies"]:

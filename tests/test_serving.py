@@ -11,16 +11,14 @@ from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import LiveTau, decode_passes, eos_ids
 from mars_demo.engine.decoding.width import WidthController
-from mars_demo.engine.serving.loop import (
+from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
+from mars_demo.engine.serving.policies import (
     DEFAULT_LADDER,
     ENDINGS,
     Fixed,
     Ladder,
     LatencyTarget,
     Load,
-    Request,
-    ServeConfig,
-    ServingLoop,
     parse_policy,
     split_policies,
 )
@@ -50,11 +48,13 @@ def unit_cost(rows: int, width: int, kind: str, measured: float) -> float:
     return 0.010 + 0.001 * rows * width
 
 
-def make_loop(lm, policy="fixed:1.0", *, mode="mars", max_batch=3, max_new=NEW, cost=unit_cost) -> ServingLoop:
+def make_loop(
+    lm, policy="fixed:1.0", *, mode="mars", max_batch=3, max_new=NEW, cost=unit_cost, **sampling
+) -> ServingLoop:
     return ServingLoop(
         lm.backend, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
         stop_ids=eos_ids(lm.backend, lm.tokenizer),
-        config=ServeConfig(mode=mode, max_batch=max_batch, max_new_tokens=max_new),
+        config=ServeConfig(mode=mode, max_batch=max_batch, max_new_tokens=max_new, **sampling),
         policy=parse_policy(policy), pass_cost=cost,
     )
 
@@ -149,6 +149,18 @@ def test_seeded_replays_are_deterministic(tiny_qwen, policy):
     assert [(e.tau, e.queue, e.clock) for e in first[0]] == [(e.tau, e.queue, e.clock) for e in second[0]]
 
 
+@pytest.mark.parametrize("mode", ["mars", "exact", "hybrid"])
+def test_sampled_serving_is_seeded(tiny_qwen, mode):
+    """At a temperature every mode samples (exact by the speculative-sampling rule); one seed, one replay."""
+    sampled = {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 4}
+    first = replay(make_loop(tiny_qwen, "fixed:0.5", mode=mode, **sampled), requests(tiny_qwen))[1]
+    again = replay(make_loop(tiny_qwen, "fixed:0.5", mode=mode, **sampled), requests(tiny_qwen))[1]
+    other = replay(make_loop(tiny_qwen, "fixed:0.5", mode=mode, **sampled | {"seed": 5}), requests(tiny_qwen))[1]
+    tokens = {i: s.token_ids for i, s in first.items()}
+    assert tokens == {i: s.token_ids for i, s in again.items()} != {i: s.token_ids for i, s in other.items()}
+    assert all(s.status == "done" for s in first.values())
+
+
 def test_every_request_ends_exactly_once_with_output_and_trace(tiny_llama):
     loop = make_loop(tiny_llama, "adaptive", max_batch=2)
     reqs = requests(tiny_llama) + [Request(90, ()), Request(91, tuple(range(4)) * 300, 0.01)]  # empty, too long
@@ -231,6 +243,7 @@ def test_policy_lists_keep_ladder_steps_together():
 
 
 def test_bad_serve_config_is_refused():
-    for bad in ({"mode": "ar"}, {"max_batch": 0}, {"max_new_tokens": 1.5}):
+    for bad in ({"mode": "ar"}, {"max_batch": 0}, {"max_new_tokens": 1.5}, {"temperature": float("nan")},
+                {"top_p": 0.0}, {"top_p": 1.2}, {"top_k": -1}):
         with pytest.raises(ValueError):
             ServeConfig(**bad)

@@ -20,7 +20,8 @@ from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import LiveTau, eos_ids
 from mars_demo.engine.decoding.width import Hits, Surface, WidthController, affordable_rate, cached_surface, measure
-from mars_demo.engine.serving.loop import Load, Request, ServeConfig, ServingLoop, parse_policy
+from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
+from mars_demo.engine.serving.policies import Load, parse_policy
 
 from conftest import PROMPTS
 

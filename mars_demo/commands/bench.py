@@ -3,20 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
 
 import torch
 
-from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, max_fed_text
+from ..cli import (
+    UserError,
+    add_max_fed_argument,
+    add_model_argument,
+    add_precision_argument,
+    add_sampling_arguments,
+    max_fed_text,
+)
 from ..engine.backends.hf import compile_passes
 from ..engine.checkpoints.loading import default_precision, load_model
+from ..engine.decoding.config import DecodeConfig
+from ..engine.decoding.sampling import Sampling
 from ..research.benchmark import KNOWN, METHODS, BenchConfig, run_benchmark
 from ..research.distillation import read_prompts
+from ..research.sampled_bench import plan_sampled, run_sampled_benchmark
+from ..research.tables import text_table
 
 HELP = "benchmark HF generate, our AR, MARS, batch decoding and prompt lookup: speed and quality"
 DEFAULTS = BenchConfig()
+SAMPLED_COLUMNS = (
+    ("method", "method", "{}"), ("tau", "tau", "{:g}"), ("seeds", "seeds", "{}"), ("tokens", "tokens", "{}"),
+    ("tokens_per_second", "tok/s", "{:.1f}"), ("speedup", "speedup", "{:.2f}"),
+    ("tokens_per_forward", "tok/pass", "{:.2f}"), ("nll_self", "NLL (mean)", "{:.4f}"),
+    ("nll_self_min", "NLL min", "{:.4f}"), ("nll_self_max", "NLL max", "{:.4f}"),
+)
 
 
 def _csv(text: str) -> list[str]:
@@ -50,8 +68,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also decode our AR on the fp32 path and add each batch-1 run's agreement with it "
                         "(agreement_fp32): llama.cpp's quantised weights beside ours")
+    add_sampling_arguments(parser, seeds=True)
     add_max_fed_argument(parser)
     add_precision_argument(parser)
+
+
+def parse_sampling(args: argparse.Namespace) -> tuple[Sampling, tuple[int, ...]]:
+    """--temperature, --top-p, --top-k (checked as ``generate`` checks them) and --seeds."""
+    try:
+        seeds = tuple(dict.fromkeys(int(s) for s in _csv(args.seeds)))
+    except ValueError:
+        raise UserError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if not seeds:
+        raise UserError("--seeds needs at least one seed")
+    try:
+        return DecodeConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k).sampling, seeds
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def parse_config(args: argparse.Namespace) -> BenchConfig:
@@ -90,13 +123,38 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
         parts.append("--compile")
     if config.fp32_reference:
         parts.append("--fp32-reference")
+    sampling, seeds = parse_sampling(args)
+    if not sampling.greedy:
+        parts += ["--temperature", f"{sampling.temperature:g}", "--top-p", f"{sampling.top_p:g}",
+                  "--top-k", str(sampling.top_k), "--seeds", ",".join(map(str, seeds))]
     return shlex.join(parts)
+
+
+def run_sampled(args: argparse.Namespace, lm, prompts: list[str], config: BenchConfig) -> int:
+    """A sampled bench (research/sampled_bench.py): the JSON report and a table of the seeds pooled."""
+    sampling, seeds = parse_sampling(args)
+    try:
+        report = run_sampled_benchmark(lm, prompts, config, sampling, seeds)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    report = {"command": command_line(args, config), "argv": sys.argv, **report}
+    report["machine"]["compiled_decoding"] = bool(args.compile)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    print(text_table(report["summary"], SAMPLED_COLUMNS, left=1))
+    print(f"\nsampled at temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, top-k {sampling.top_k}, "
+          f"seeds {', '.join(map(str, seeds))}; NLL per token under the model, mean over seeds and its spread")
+    print(f"\nwrote {args.out}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from ..research.report import format_table, write_report
 
     config = parse_config(args)  # every value checked before the model loads
+    sampled = not parse_sampling(args)[0].greedy
+    if sampled:
+        plan_sampled(config)  # refuses a list of greedy-only methods now, not after the load
     if not args.prompts.is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
     prompts = read_prompts(args.prompts)
@@ -112,12 +170,14 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     lm = load_model(  # auto chooses the path for the smallest batch measured (batch 1: AR's one-token pass)
         args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision(),
-        rows=min(config.batch_sizes),
+        rows=1 if sampled else min(config.batch_sizes),  # a sampled bench decodes one sequence at a time
     )
     if args.compile:
         if lm.device.type != "cuda":
             raise UserError("--compile is for CUDA (static cache, CUDA graphs); on a CPU the compute paths apply")
         lm.chosen = compile_passes(lm.model, mode="reduce-overhead", compute=lm.compute)
+    if sampled:
+        return run_sampled(args, lm, prompts, config)
     report = run_benchmark(lm, prompts, config)
     report = {"command": command_line(args, config), "argv": sys.argv, **report}
     report["machine"]["compiled_decoding"] = bool(args.compile)

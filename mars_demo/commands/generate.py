@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument
+from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, add_sampling_arguments
 from ..engine.backends.cpu.paths import ComputePath
 from ..engine.checkpoints.loading import default_precision, load_model
 from ..engine.decoding.config import METRICS, MODES, DecodeConfig
@@ -30,8 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None, help="candidates per pass (default: the checkpoint's)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     parser.add_argument("--metric", choices=METRICS, default=DEFAULTS.metric)
-    parser.add_argument("--temperature", type=float, default=DEFAULTS.temperature, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    add_sampling_arguments(parser)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--mask-token", default=None, help="mask token, for a checkpoint that does not record one")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code to run")
@@ -69,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     config = DecodeConfig(
         mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
         metric=args.metric, temperature=args.temperature, stop=tuple(args.stop), seed=args.seed,
-        max_fed=args.max_fed,
+        max_fed=args.max_fed, top_p=args.top_p, top_k=args.top_k,
     )  # validates every value before the model loads
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():

@@ -20,7 +20,7 @@ from ..engine.checkpoints.loading import BUNDLED_BASE, default_precision, load_m
 from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.config import VERIFYING_MODES
 from ..engine.decoding.width import surface_for
-from ..engine.serving.loop import DEFAULT_LADDER, POLICY_HELP, split_policies
+from ..engine.serving.policies import DEFAULT_LADDER, POLICY_HELP, split_policies
 from ..engine.serving.replay import ARRIVALS, LIMITS, SimConfig
 from ..research.distillation import read_prompts
 from ..research.simulation import CLOCKS, clock_surface, model_cost, simulate
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     pool = [prompt_ids(lm.tokenizer, p) for p in read_prompts(args.prompts) if p.strip()]
     if not pool:
         raise UserError(f"no prompts in {args.prompts}")
-    base = None if args.no_quality else (lm.model if args.base == args.model else load_model(args.base).model)
+    base = None if args.no_quality else (lm.backend if args.base == args.model else load_model(args.base).backend)
     measured = surface_for(lm)
     if args.clock != "measured" and measured is None:
         raise UserError(f"--clock {args.clock} needs a measured CPU compute path: pass --precision on a CPU")

@@ -349,7 +349,7 @@ def run_benchmark(
         config = replace(config, methods=tuple(m for m in config.methods if m not in llama_cpp.METHODS))
     jobs = plan(config)
     runs, outcomes = [], {}
-    scorer = Scorer(lm.model, ids)
+    scorer = Scorer(lm.backend, ids)
     if config.max_fed == "auto" and any(b > 1 for b in config.batch_sizes):
         surface_for(lm)  # measured (or read) before any run is timed
     bar = tqdm(total=len(jobs) * len(ids), desc="bench", unit="prompt", disable=not progress)

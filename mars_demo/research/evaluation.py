@@ -29,15 +29,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
 
+from ..engine.backends.base import Backend
 from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
 from ..engine.decoding.loop import collect, stream_ids
 from ..engine.decoding.metrics import REFERENCE_TAU, Rates, agreement, exact_match, prefix_agreement, speedup
 from ..engine.decoding.metrics import pooled_nll as pooled
+from ..engine.decoding.scoring import Scored, teacher_forced
 from ..engine.model import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -70,46 +70,11 @@ WARMUP_TOKENS = 8
 # --- metric functions: pure, on token ids -----------------------------------------------
 
 
-@dataclass(frozen=True)
-class Scored:
-    """One teacher-forced pass over prompt + output: per output token, its NLL and the argmax there."""
-
-    nll: tuple[float, ...]  # -log p(output[i] | prompt, output[:i])
-    argmax: tuple[int, ...]  # argmax of p(. | prompt, output[:i]): what greedy AR would pick
-
-    @property
-    def total(self) -> float:
-        return sum(self.nll)
-
-    @property
-    def tokens(self) -> int:
-        return len(self.nll)
-
-
-@torch.inference_mode()
-def teacher_forced(model: PreTrainedModel, prompt: Sequence[int], output: Sequence[int]) -> Scored:
-    """Score ``output`` after ``prompt`` with one causal forward pass (no cache, no masks)."""
-    if not prompt:
-        raise ValueError("teacher forcing needs a non-empty prompt")
-    if not output:
-        return Scored((), ())
-    ids = torch.tensor([list(prompt) + list(output)], dtype=torch.long, device=model.device)
-    # The prediction for output[i] is read at position len(prompt) - 1 + i: keep len(output) + 1
-    # positions and drop the last, which predicts past the output.
-    logits = model(input_ids=ids, logits_to_keep=len(output) + 1).logits[0, :-1].float()  # (len(output), vocab)
-    logp = torch.log_softmax(logits, dim=-1)
-    target = ids[0, len(prompt) :]
-    nll = -logp.gather(1, target[:, None]).squeeze(1)  # (len(output),)
-    packed = torch.cat([nll.double(), logits.argmax(dim=-1).double()]).tolist()  # one host sync
-    n = len(output)
-    return Scored(tuple(packed[:n]), tuple(int(t) for t in packed[n:]))
-
-
-def mean_nll(model: PreTrainedModel, prompt: Sequence[int], output: Sequence[int]) -> float:
-    """NLL per token of ``output`` given ``prompt`` under ``model``, teacher-forced."""
+def mean_nll(backend: Backend, prompt: Sequence[int], output: Sequence[int]) -> float:
+    """NLL per token of ``output`` given ``prompt`` under ``backend``'s model, teacher-forced."""
     if not output:
         raise ValueError("the NLL per token of an empty output is undefined")
-    scored = teacher_forced(model, prompt, output)
+    scored = teacher_forced(backend, prompt, output)
     return scored.total / scored.tokens
 
 
@@ -293,14 +258,14 @@ def decode_all(
 class Scorer:
     """teacher_forced, memoised per (prompt, output): many taus give the same output."""
 
-    def __init__(self, model: PreTrainedModel, prompts: list[list[int]]) -> None:
-        self.model, self.prompts = model, prompts
+    def __init__(self, backend: Backend, prompts: list[list[int]]) -> None:
+        self.backend, self.prompts = backend, prompts
         self.memo: dict[tuple[int, tuple[int, ...]], Scored] = {}
 
     def __call__(self, index: int, output: Sequence[int]) -> Scored:
         key = (index, tuple(output))
         if key not in self.memo:
-            self.memo[key] = teacher_forced(self.model, self.prompts[index], output)
+            self.memo[key] = teacher_forced(self.backend, self.prompts[index], output)
         return self.memo[key]
 
 
@@ -410,8 +375,8 @@ def evaluate(
     started = time.perf_counter()
     runs = decode_all(lm, base, ids, config, progress)
     logger.info("decoded %d prompts in %.1f s", len(ids), time.perf_counter() - started)
-    own = Scorer(lm.model, ids)
-    scorer = own if base is lm else Scorer(base.model, ids)
+    own = Scorer(lm.backend, ids)
+    scorer = own if base is lm else Scorer(base.backend, ids)
     score_all(runs, own, scorer, progress)
     report = summarise(runs, own, scorer, list(prompts))
     block = config.block_size or lm.meta.block_size

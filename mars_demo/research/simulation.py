@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from transformers import PreTrainedModel
-
+from ..engine.backends.base import Backend
 from ..engine.decoding.metrics import delta_nll_key
 from ..engine.decoding.width import Surface
 from ..engine.model import LoadedModel
-from ..engine.serving.loop import LoopEvent, PassCost, parse_policy
+from ..engine.serving.loop import LoopEvent, PassCost
+from ..engine.serving.policies import parse_policy
 from ..engine.serving.replay import (
     REFERENCE,
     PolicyRun,
@@ -37,7 +37,7 @@ from ..engine.serving.replay import (
 from .evaluation import Scorer, pooled_nll
 
 
-def add_quality(summaries: list[dict], runs: list[PolicyRun], reference: PolicyRun, base: PreTrainedModel) -> None:
+def add_quality(summaries: list[dict], runs: list[PolicyRun], reference: PolicyRun, base: Backend) -> None:
     """agreement, and delta_nll_base scored by ``base``, against ``reference`` (fixed:1.0)."""
     add_agreement(summaries, runs, reference)
     ref = reference_done(reference)
@@ -78,7 +78,7 @@ def clock_surface(pass_cost: PassCost, clock: str) -> Surface:
 
 
 def simulate(
-    lm: LoadedModel, config: SimConfig, pool: Sequence[Sequence[int]], *, base: PreTrainedModel | None = None,
+    lm: LoadedModel, config: SimConfig, pool: Sequence[Sequence[int]], *, base: Backend | None = None,
     deadline: float | None = None, on_event: Callable[[str, LoopEvent], object] | None = None,
     pass_cost: PassCost | None = None, surface: Surface | None = None,
 ) -> dict:

@@ -155,10 +155,19 @@ def width_text(steps: Sequence[StepEvent]) -> str:
     return str(low) if low == high else f"{low}–{high}, mostly {most}"
 
 
-def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None) -> go.Figure:
-    """Tokens/s, tokens/forward, passes, time and speedup over AR, for both sides."""
+def summary_table(
+    mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None, nll: dict[str, float] | None = None
+) -> go.Figure:
+    """Tokens/s, tokens/forward, passes, time and speedup over AR, for both sides.
+
+    ``nll``: a sampled race (None: greedy). Two samples need not share a token, so in place of "same tokens
+    as AR" each side's NLL per token under the model, once the run has ended ("—" before).
+    """
     m = Rates.of_steps(mars)
     a = Rates.of_steps(ar) if ar is not None else None
+    same = ("same tokens as AR", agreement_text(mars, ar), "—")
+    if nll is not None:
+        same = ("NLL / token under the model", _fmt(nll.get("mars"), ".3f"), _fmt(nll.get("ar"), ".3f"))
     rows = [
         ("tokens", _fmt(m.tokens, "d"), _fmt(a and a.tokens, "d")),
         ("forward passes", _fmt(m.forward_passes, "d"), _fmt(a and a.forward_passes, "d")),
@@ -166,7 +175,7 @@ def summary_table(mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = No
         ("time, own passes (s)", _fmt(m.seconds, ".2f"), _fmt(a and a.seconds, ".2f")),
         ("tokens / s", _fmt(m.tokens_per_second, ".1f"), _fmt(a and a.tokens_per_second, ".1f")),
         ("speedup over AR", _fmt(speedup(m, a), ".2f") + ("×" if speedup(m, a) else ""), "1.00×" if a else "—"),
-        ("same tokens as AR", agreement_text(mars, ar), "—"),
+        same,
         ("width (chosen for tokens / ms)", width_text(mars), width_text(ar or [])),
     ]
     labels, mars_col, ar_col = (list(col) for col in zip(*rows))

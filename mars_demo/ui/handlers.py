@@ -35,8 +35,10 @@ from ..engine.backends.cpu.paths import check_precision
 from ..engine.checkpoints.hub import HubUnreachable, check_hub
 from ..engine.checkpoints.loading import load_for_decoding
 from ..engine.checkpoints.memory import ModelTooLarge, check_fits, trim_heap
+from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.config import METRICS, MODES, RANGES, DecodeConfig
 from ..engine.decoding.loop import StepEvent, generate
+from ..engine.decoding.scoring import teacher_forced
 from . import charts
 from .hosting import DecodeSlot, Limits, SlotBusy
 from .loading import staged_load
@@ -52,7 +54,7 @@ from .models import (
     default_compute_path,
 )
 from .outputs import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, outputs
-from .race import LaneCadence, RaceTrace, Session, interleave, upcoming_side
+from .race import LaneCadence, RaceTrace, Session, interleave, lanes, upcoming_side
 from .render import ar_pane, mars_pane, model_message, model_status
 from .sweep import SweepRun, frontier, plan, sweep_choices, sweep_desc, sweep_passes, sweep_table
 from .traces import TraceStore, stem
@@ -187,7 +189,7 @@ class DemoHandlers:
     # -- the race --------------------------------------------------------------------------
     def _config(
         self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None, mode="mars",
-        most_tokens: int | None = None,
+        most_tokens: int | None = None, top_p=1.0, top_k=0,
     ) -> DecodeConfig:
         """The run's DecodeConfig; ``most_tokens``: this server's cap on max new tokens (Limits)."""
         most = most_tokens or self.limits.max_new_tokens
@@ -202,7 +204,8 @@ class DemoHandlers:
                 block_size=number(block_size, "Block size", *RANGES["block_size"][:2], integer=True),
                 max_new_tokens=number(max_new_tokens, "Max new tokens", 1, most, integer=True),
                 metric=metric, temperature=number(temperature, "Temperature", *RANGES["temperature"][:2]),
-                max_fed=None if full_window else "auto",
+                max_fed=None if full_window else "auto", top_p=number(top_p, "Top-p", 0, 1),
+                top_k=number(top_k, "Top-k", *RANGES["top_k"][:2], integer=True),
             )
         except (TypeError, ValueError) as err:
             raise error(sentence(str(err)), "Bad setting", request) from None
@@ -233,7 +236,7 @@ class DemoHandlers:
                 "time_plot": charts.tokens_vs_time(mars, ar),
                 "pass_plot": charts.tokens_per_pass(mars, block),
                 "hist_plot": charts.passes_histogram(mars, block),
-                "summary_plot": charts.summary_table(mars, ar),
+                "summary_plot": charts.summary_table(mars, ar, trace.nll if trace.sampled else None),
             }
         if files is True:
             json_path, csv_path = self.traces.write(trace, stem(session.id), owner)
@@ -246,12 +249,13 @@ class DemoHandlers:
     def run(
         self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar,
         session: Session,
-        mode: str = "mars", precision: str | None = None,
+        mode: str = "mars", precision: str | None = None, top_p=1.0, top_k=0,
         request: gr.Request = None,
     ) -> Iterator[tuple]:
         """Race MARS (or exact / hybrid mode) against AR on one prompt, streaming every forward pass of both.
 
         Both sides decode with the one model this run holds: the same weights on the same compute path.
+        Sampled, each side draws from its own seed (race.lanes) and is scored under the model at the end.
         The run holds the decoding slot until it ends, yields once per pass (so a cancel ends it before
         the next one) and ends at the time budget with what it decoded (status "limit")."""
         try:
@@ -260,7 +264,9 @@ class DemoHandlers:
             raise error(sentence(str(err)), "Prompt not accepted", request) from None
         if not prompt.strip():
             raise error("Type a prompt first, or pick one of the examples.", "Empty prompt", request)
-        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, request, mode)
+        config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, request, mode,
+                              top_p=top_p, top_k=top_k)
+        config, ar_config = lanes(config)
         path = self._path(precision, request)
         owner = request.session_hash if request is not None else None
         with ExitStack() as held:
@@ -269,11 +275,11 @@ class DemoHandlers:
             session.tau.set(config.tau)
             try:  # a prompt longer than the model's context is refused here (or at the first pass)
                 mars = generate(lm, prompt, config, tau=session.tau)
-                ar = generate(lm, prompt, config.with_(mode="ar")) if with_ar else None
+                ar = generate(lm, prompt, ar_config) if with_ar else None
             except ValueError as err:
                 raise _prompt_error(err, request) from None
             trace = RaceTrace(prompt=prompt, model=lm.name, config=config, with_ar=bool(with_ar),
-                              compute=lm.compute.summary() if lm.compute is not None else "")
+                              compute=lm.compute.summary() if lm.compute is not None else "", ar_seed=ar_config.seed)
             session.trace = trace
             deadline = time.monotonic() + self.limits.run_seconds
             try:
@@ -283,12 +289,15 @@ class DemoHandlers:
                 if trace.status == "limit":
                     warning(self.limits.over_budget("run"), "Time limit", request)
                 if trace.status in ("done", "limit"):
+                    _score(trace, lm)
                     yield self._outputs(trace, ("mars", "ar"), True, True, session, owner)
             finally:
-                trace.ended.set()  # also when Gradio cancels and closes this generator
                 for decoder in (mars, ar):  # their KV caches go now, not when Gradio drops this generator
                     if decoder is not None:
                         decoder.close()
+                if not trace.nll:
+                    _score(trace, lm)  # a stopped run: before Stop's final view, which waits for the end
+                trace.ended.set()  # also when Gradio cancels and closes this generator
                 trim_heap()  # and the freed pages back to the system (engine/checkpoints/memory.py)
 
     def _race(self, trace: RaceTrace, passes: Iterator, session: Session, request, cancel, deadline: float
@@ -347,7 +356,7 @@ class DemoHandlers:
     # -- the sweep -------------------------------------------------------------------------
     def sweep(
         self, prompts, taus, max_new_tokens, spec, block_size, metric, temperature, full_window=False,
-        precision: str | None = None, request: gr.Request = None, progress=gr.Progress(),
+        precision: str | None = None, top_p=1.0, top_k=0, request: gr.Request = None, progress=gr.Progress(),
     ) -> Iterator[tuple]:
         """Run the chosen prompts at each tau (and 1.0, and AR).
 
@@ -364,7 +373,7 @@ class DemoHandlers:
                         f"{self.limits.sweep_runs} per sweep: choose fewer prompts or tau values.", "Sweep too large",
                         request)
         config = self._config(1.0, block_size, max_new_tokens, metric, temperature, full_window, request,
-                              most_tokens=self.limits.sweep_tokens)
+                              most_tokens=self.limits.sweep_tokens, top_p=top_p, top_k=top_k)
         path = self._path(precision, request)
         try:
             with ExitStack() as held:
@@ -408,6 +417,22 @@ class DemoHandlers:
         points = frontier(runs)
         return outputs(SWEEP_OUTPUTS, sweep_status=status, sweep_plot=charts.frontier(points),
                        sweep_table=sweep_table(points))
+
+
+def _score(trace: RaceTrace, lm) -> None:
+    """A sampled race's NLL per token of each side under the model (one teacher-forced pass a side); a side
+    with no tokens, or a failure (logged), leaves its entry out, and the summary shows a dash."""
+    if not trace.sampled:
+        return
+    try:
+        ids = prompt_ids(lm.tokenizer, trace.prompt)
+        for side in ("mars", "ar"):
+            tokens = [t for s in trace.steps(side) or [] for t in s.token_ids]
+            if tokens:
+                scored = teacher_forced(lm.backend, ids, tokens)
+                trace.nll[side] = scored.total / scored.tokens
+    except Exception as err:  # noqa: BLE001 - a figure the summary can do without, never the run's failure
+        logger.warning("cannot score the race: %s", err)
 
 
 def _prompt_error(err: ValueError, request: gr.Request | None) -> gr.Error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import secrets
 import threading
 import uuid
 from collections.abc import Iterator
@@ -29,7 +30,16 @@ SIDES = ("mars", "ar")
 # four a second (MARS_DEMO_VIEW_EVERY; docs/bench/history.md, "The UI's cost per lane").
 VIEW_EVERY = settings.VIEW_EVERY.default  # 0.25
 VIEW_SETTLE = settings.VIEW_SETTLE.default  # and the seconds the race waits after a view, off both clocks (0.1)
-CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences")
+CSV_COLUMNS = ("side", "pass", "tokens", "tau", "seconds", "token_ids", "token_texts", "confidences", "origins")
+
+
+def lanes(config: DecodeConfig) -> tuple[DecodeConfig, DecodeConfig]:
+    """The MARS and AR lanes' configs. Sampled, each lane draws from its own seed (the config's, or a fresh
+    one; AR's is the next), so the panes differ as two samples do and the trace says how to draw them again."""
+    if config.temperature <= 0:
+        return config, config.with_(mode="ar")
+    seed = config.seed if config.seed is not None else secrets.randbelow(2**31 - 1)
+    return config.with_(seed=seed), config.with_(mode="ar", seed=seed + 1)
 
 
 def interleave(mars: Iterator[StepEvent], ar: Iterator[StepEvent] | None) -> Iterator[tuple[str, StepEvent]]:
@@ -92,6 +102,8 @@ class RaceTrace:
     mars: list[StepEvent] = field(default_factory=list)
     ar: list[StepEvent] = field(default_factory=list)
     status: str = "running"  # "running", "done", "stopped" or "error"
+    ar_seed: int | None = None  # sampled: the AR lane's seed (the MARS lane's is config.seed)
+    nll: dict[str, float] = field(default_factory=dict)  # sampled: each side's NLL per token under the model
     # Set when the run's generator has ended, whichever way: Stop waits for it.
     ended: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
@@ -130,15 +142,23 @@ class RaceTrace:
                 "text": "".join(s.text for s in steps),
             }
         gain = speedup(Rates.of_steps(self.mars), Rates.of_steps(self.ar) if self.with_ar else None)
+        for side, nll in self.nll.items():
+            if side in sides:
+                sides[side]["nll_per_token"] = round(nll, 5)
         return {
             "prompt": self.prompt,
             "model": self.model,
             "compute_path": self.compute,
             "config": asdict(self.config),
+            "ar_seed": self.ar_seed,
             "status": self.status,
             "speedup_over_ar": round(gain, 4) if gain else None,
             "sides": sides,
         }
+
+    @property
+    def sampled(self) -> bool:
+        return self.config.temperature > 0
 
     def to_csv(self) -> str:
         """One row per forward pass; list cells hold JSON (token texts keep their spaces and newlines)."""
@@ -150,7 +170,7 @@ class RaceTrace:
                 writer.writerow([
                     side, rec["pass"], rec["tokens"], rec["tau"], rec["seconds"],
                     json.dumps(rec["token_ids"]), json.dumps(rec["token_texts"], ensure_ascii=False),
-                    json.dumps(rec["confidences"]),
+                    json.dumps(rec["confidences"]), json.dumps(rec["origins"]),
                 ])
         return out.getvalue()
 
@@ -171,6 +191,7 @@ def _step_record(step: StepEvent) -> dict:
         "token_ids": list(step.token_ids),
         "token_texts": list(step.pieces),
         "confidences": [round(c, 6) for c in step.confidences],
+        "origins": list(step.origins),  # per token: ar, mask, draft (kept), resampled or bonus (decoding/exact.py)
         "tau": step.tau,
         "seconds": round(step.seconds, 6),
     }

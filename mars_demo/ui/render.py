@@ -7,7 +7,8 @@ colour (three colours alternate so neighbouring passes are told apart) and the s
 deepens with the number of tokens that pass accepted; hovering a token shows its pass,
 its confidence, the tau in force and where it came from (a CSS tooltip from ``data-tip``).
 In exact and hybrid modes a token the pass verified from a draft is underlined (dotted),
-unlike those taken on confidence or from the AR head.
+unlike those taken on confidence or from the AR head; sampled, the hover also says whether a token was a
+draft kept by the rule, drawn again after a rejection, or the bonus after every draft held.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from html import escape
 
-from ..engine.decoding.exact import AR, DRAFT, MASK
+from ..engine.decoding.exact import AR, BONUS, DRAFT, MASK, RESAMPLED
 from ..engine.decoding.loop import StepEvent
 from ..engine.decoding.metrics import Rates
 from .charts import PASS_COLORS
 
 SHADES = 4  # passes accepting 1, 2, 3, 4+ tokens get deeper shades
-ORIGIN_TIPS = {AR: "the AR head's token", DRAFT: "draft verified by the AR head", MASK: "mask accepted on confidence"}
+ORIGIN_TIPS = {
+    AR: "the AR head's token", DRAFT: "draft verified by the AR head", MASK: "mask accepted on confidence",
+    RESAMPLED: "drawn again after the AR head rejected a draft",
+    BONUS: "bonus: drawn from the AR head, every draft kept",
+}
 PANE_NAMES = {"mars": "MARS", "exact": "Exact (verified)", "hybrid": "Hybrid (confidence + verified)"}
 
 

@@ -28,7 +28,7 @@ import gradio as gr
 from ..engine.checkpoints.memory import trim_heap
 from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.width import affordable_rate, surface_for
-from ..engine.serving.loop import parse_policy, split_policies
+from ..engine.serving.policies import parse_policy, split_policies
 from ..engine.serving.replay import (
     ARRIVALS,
     LIMITS,

@@ -20,6 +20,7 @@ import ctypes
 import torch
 
 from ..backends.cpu.greedy import GREEDY_ENV, greedy_kernel  # noqa: F401 - GREEDY_ENV: the switch's name
+from .sampling import Sampling
 
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 
@@ -48,12 +49,13 @@ def greedy_confidence(logits: torch.Tensor, metric: str) -> tuple[torch.Tensor, 
 
 
 def choose(
-    logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None
+    logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None,
+    top_p: float = 1.0, top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per position: argmax, or Gumbel-max sampling at ``temperature``.
+    """Pick one token per position: argmax, or Gumbel-max sampling at ``temperature`` (within top_p and top_k).
 
-    logits: (..., vocab). Returns (tokens, probs): tokens (...), and the
-    probabilities (..., vocab) of the distribution they were drawn from.
+    logits: (..., vocab). Returns (tokens, probs): tokens (...), and the probabilities (..., vocab) of
+    softmax(logits / temperature), which confidence is read from (before top_p and top_k: sampling.Sampling).
     """
     logits = logits.float()
     if temperature > 0:
@@ -62,7 +64,8 @@ def choose(
     if temperature > 0:
         uniform = torch.rand(logits.shape, generator=generator, device=logits.device).clamp(1e-10, 1 - 1e-7)
         gumbel = -torch.log(-torch.log(uniform))
-        tokens = (logits + gumbel).argmax(dim=-1)
+        drawn = Sampling(temperature, top_p, top_k).filter(logits, probs)  # -inf outside top-k and top-p
+        tokens = (drawn + gumbel).argmax(dim=-1)
     else:
         tokens = logits.argmax(dim=-1)
     return tokens, probs
@@ -105,17 +108,20 @@ def accept_rows(
     metric: str = "probability",
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Each row's candidates and accepted prefix, with a single host sync for the whole pass.
 
     logits: (rows, window, vocab). Row r's candidates are the outputs at columns
     start[r], start[r] + 1, ... of the window; it may accept at most cap[r] of them
     (0 for a row that is waiting or finished). Candidate 1 is always accepted
-    when cap[r] >= 1, the rest by ``accept_count``.
+    when cap[r] >= 1, the rest by ``accept_count``. Sampled confidences are read from the tempered
+    distribution, before top_p and top_k.
     """
     window = logits.shape[1]
     if temperature > 0:
-        tokens, probs = choose(logits, temperature, generator)  # (rows, window), (rows, window, vocab)
+        tokens, probs = choose(logits, temperature, generator, top_p, top_k)  # (rows, window), (rows, window, vocab)
         conf = confidence(probs, tokens, metric)  # (rows, window)
     else:
         tokens, conf = greedy_confidence(logits, metric)
@@ -135,8 +141,10 @@ def accept_rows(
 
 def accept_prefix(
     logits: torch.Tensor, tau: float, metric: str = "probability", temperature: float = 0.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, top_p: float = 1.0, top_k: int = 0,
 ) -> tuple[list[int], list[float]]:
     """One sequence's pass: logits (window, vocab) -> (accepted tokens, their confidences)."""
-    tokens, confs = accept_rows(logits[None], [0], [logits.shape[0]], tau, metric, temperature, generator)
+    tokens, confs = accept_rows(
+        logits[None], [0], [logits.shape[0]], tau, metric, temperature, generator, top_p, top_k
+    )
     return tokens[0], confs[0]

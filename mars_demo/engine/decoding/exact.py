@@ -9,7 +9,8 @@ and see only the verified prefix (a 4-D attention mask), so a rejection still
 leaves guesses for the next pass to verify. With tau < 1 (hybrid), the guesses of
 the group that starts at the newest verified token are accepted on confidence as
 in MARS, and the rest become drafts. Every committed token is the AR argmax given
-the tokens before it, so at tau = 1.0 the output is greedy AR's.
+the tokens before it, so at tau = 1.0 the output is greedy AR's. At a temperature the
+same pass is read by the speculative-sampling rule instead (speculative.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .acceptance import accept_count, greedy_confidence
 
 # Where a committed token came from: the AR head of the pass, a verified draft, a mask accepted on confidence.
 AR, DRAFT, MASK = "ar", "draft", "mask"
+# At a temperature (speculative.py): drawn from max(0, p - q) after a rejected draft, or from p after every draft held.
+RESAMPLED, BONUS = "resampled", "bonus"
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ class Verdict:
     tokens, confidences, origins: committed tokens (verified drafts, the AR token,
       masks accepted on confidence), in order. cached: how many of them (the verified
       drafts) already have their keys and values in the cache. drafts: the next
-      pass's drafts.
+      pass's drafts. proposal: at a temperature, the distribution (d, vocab) each of
+      them was drawn from, for the rule (speculative.py); None at temperature 0.
     """
 
     tokens: list[int]
@@ -79,6 +83,7 @@ class Verdict:
     origins: list[str]
     cached: int
     drafts: list[int]
+    proposal: torch.Tensor | None = None
 
 
 def verify(logits: torch.Tensor, drafts: list[int], lookahead: int, tau: float, metric: str) -> Verdict:

@@ -23,12 +23,13 @@ from transformers import PreTrainedTokenizerBase
 from ..backends.base import Backend, KVCache
 from ..backends.placement import SeededGenerator
 from ..model import LoadedModel
-from . import exact
+from . import exact, speculative
 from .acceptance import accept_prefix
 from .chat import prompt_ids
 from .commit import commit_tokens, cut_at_stop_string
 from .config import VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .metrics import Rates
+from .sampling import Sampling
 from .width import OneRow, Surface, WidthController
 
 
@@ -155,24 +156,30 @@ def forward_fed(backend: Backend, cache: KVCache, fed: exact.Fed) -> torch.Tenso
 
 def verify_pass(
     backend: Backend, cache: KVCache, pending: list[int], drafts: list[int], lookahead: int, mask_id: int,
-    tau: float, metric: str, fallback: bool = True,
+    tau: float, metric: str, fallback: bool = True, rule: speculative.Rule | None = None,
+    proposal: torch.Tensor | None = None,
 ) -> tuple[exact.Verdict, int]:
     """One verifying pass (exact.py): check the drafts, draft again, crop what is not kept off the cache.
 
+    ``rule``: at a temperature, the drafts (drawn from ``proposal``) are checked by speculative sampling.
     Returns the verdict and the pass's width (StepEvent.width: the columns fed past the pending tokens, plus one).
     """
     fed = exact.verify_window(
         pending, drafts, lookahead, mask_id, cache.get_seq_length(), backend.dtype, backend.device,
         fallback=fallback,
     )
-    verdict = exact.verify(forward_fed(backend, cache, fed), drafts, lookahead, tau, metric)
+    logits = forward_fed(backend, cache, fed)
+    if rule is None or rule.sampling.greedy:
+        verdict = exact.verify(logits, drafts, lookahead, tau, metric)
+    else:
+        verdict = rule.verify(logits, drafts, lookahead, tau, metric, proposal)
     cache.crop(fed.width - len(pending) - verdict.cached)  # rejected drafts and both mask groups
     return verdict, fed.width - len(pending) + 1
 
 
 def mars_pass(
     backend: Backend, cache: KVCache, pending: list[int], masks: torch.Tensor, tau: float, metric: str,
-    temperature: float, generator: SeededGenerator, max_fed: int | None, steady: bool = False, width: int | None = None,
+    sampling: Sampling, generator: SeededGenerator, max_fed: int | None, steady: bool = False, width: int | None = None,
 ) -> tuple[list[int], list[float], int]:
     """One MARS pass: feed [pending | masks], accept the confident prefix, drop the masks off the cache.
 
@@ -189,7 +196,9 @@ def mars_pass(
     width = 1 if tau >= 1.0 else width
     fed = torch.cat([torch.tensor([pending], dtype=torch.long, device=masks.device), masks[:, : width - 1]], dim=1)
     logits = forward_window(backend, cache, fed, width, steady)
-    tokens, confs = accept_prefix(logits, tau, metric, temperature, generator.on(logits.device))
+    tokens, confs = accept_prefix(
+        logits, tau, metric, sampling.temperature, generator.on(logits.device), sampling.top_p, sampling.top_k
+    )
     cache.crop(width - 1)  # accepted tokens are fed next pass
     return tokens, confs, width
 
@@ -209,19 +218,21 @@ def decode_passes(
     """The decoding loop in token space under ``config``; ``window`` = 1 is plain AR decoding. The cache is local.
 
     Exact and hybrid modes: the masks' guesses that tau does not accept become drafts that the next pass
-    verifies (exact.py; tau = 1.0 is lossless). ``config.max_fed`` caps the tokens fed after the prefill of a
-    MARS pass; ``widths`` (width.py) instead prices each MARS pass's width on the cost curve.
+    verifies (exact.py; at a temperature by the rule, speculative.py; tau = 1.0 is lossless). ``config.max_fed``
+    caps the tokens fed after the prefill of a MARS pass; ``widths`` (width.py) instead prices each MARS pass's
+    width on the cost curve.
     """
-    verifying, metric, temperature = config.mode in VERIFYING_MODES, config.metric, config.temperature
+    verifying, metric = config.mode in VERIFYING_MODES, config.metric
     max_fed, max_new_tokens = resolve_max_fed(config.max_fed, backend.compute), config.max_new_tokens
     check_prompt(backend, len(prompt), lookahead(window, verifying))
     max_new_tokens = min(max_new_tokens, context_limit(backend) - len(prompt) - lookahead(window, verifying) + 1)
     generator = SeededGenerator(config.seed)
+    rule = speculative.Rule(Sampling(config.temperature, config.top_p, config.top_k), generator)
     masks = torch.full((1, window - 1), mask_id, dtype=torch.long, device=backend.device)
     # verifying passes take 4-D masks, which a compiled backend's static cache does not: no size for it
     cache = backend.new_cache(None if verifying else len(prompt) + max_new_tokens + window)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
-    drafts: list[int] = []  # verifying: guesses for the tokens after ``pending``
+    drafts, proposal = [], None  # verifying: guesses for the tokens after ``pending``; at a temperature their q
     depths = exact.DraftDepth(window - 1, backend.costs_ms())
     history, produced = [*prompt], 0  # every committed token (where exact mode looks up drafts), their count
     while True:
@@ -230,15 +241,16 @@ def decode_passes(
         if verifying:
             # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
             depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
-            drafts = exact.pick_drafts(history, drafts, depth) if tau_now >= 1.0 else drafts[:depth]
-            verdict, width = verify_pass(backend, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback)
+            drafts, proposal = speculative.pick_drafts(history, drafts, proposal, depth, tau_now >= 1.0)
+            verdict, width = verify_pass(backend, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback,
+                                         rule, proposal)
             depths.observe(len(drafts), verdict.cached)
-            tokens, confs, origins, drafts = verdict.tokens, verdict.confidences, verdict.origins, verdict.drafts
-            pending = tokens[verdict.cached :]
+            tokens, confs, origins = verdict.tokens, verdict.confidences, verdict.origins
+            drafts, proposal, pending = verdict.drafts, verdict.proposal, tokens[verdict.cached :]
         else:
             chosen = widths.choose(tau_now, max_new_tokens - produced, len(pending), produced) if widths else None
-            tokens, confs, width = mars_pass(backend, cache, pending, masks, tau_now, metric, temperature, generator,
-                                             max_fed if produced else None, produced > 0, chosen)
+            tokens, confs, width = mars_pass(backend, cache, pending, masks, tau_now, metric, rule.sampling,
+                                             generator, max_fed if produced else None, produced > 0, chosen)
             if chosen is not None:
                 widths.observe(tau_now, chosen, len(tokens))
             origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)

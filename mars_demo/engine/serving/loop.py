@@ -38,8 +38,6 @@ onto other hardware (research/simulation.model_cost). Arrivals are read off that
 
 from __future__ import annotations
 
-import math
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -48,122 +46,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import Backend
+from ..backends.placement import SeededGenerator
 from ..decoding.batch.token import TokenBatch
-from ..decoding.config import MODES, DecodeConfig, check_tau
+from ..decoding.config import MODES, RANGES, DecodeConfig, check_tau
 from ..decoding.loop import context_limit
+from ..decoding.sampling import Sampling, check_temperature
 from ..decoding.width import Surface, WidthController
+from .policies import ENDINGS, RECENT, Load, Policy
 
-LEVELS = (1.0, 0.95, 0.9, 0.8, 0.7)  # the latency policy's steps
-DEFAULT_LADDER = ((0, 1.0), (1, 0.95), (4, 0.9), (8, 0.8), (16, 0.7))  # (requests waiting, tau)
-RECENT = 8  # recent latency: mean over this many latest finished requests
-ENDINGS = ("done", "stopped", "error")
-
-
-@dataclass(frozen=True)
-class Load:
-    """What a policy sees before a pass (times in seconds on the loop's clock)."""
-
-    queue: int  # requests waiting
-    running: int  # rows in the batch
-    max_batch: int
-    recent_latency: float | None  # mean latency of the last RECENT finished requests (None before any)
-    oldest_wait: float  # how long the oldest waiting request has waited (0 when none waits)
-    controller: WidthController | None = None  # prices wider passes at this row count (``gain``)
-
-    def gain(self, tau: float) -> float:
-        """Expected tokens per ms of the best width at ``tau`` over one-token passes, at the running rows."""
-        return math.inf if self.controller is None else self.controller.gain(max(self.running, 1), tau)
-
-
-class Fixed:
-    def __init__(self, tau: float) -> None:
-        self.tau = check_tau(tau)
-        self.name = f"fixed:{self.tau:g}"
-
-    def __call__(self, load: Load) -> float:
-        return self.tau
-
-
-class Ladder:
-    """tau of the highest step the waiting requests reach (``demand``: the running and waiting requests)."""
-
-    def __init__(
-        self, steps: Sequence[tuple[int, float]] = DEFAULT_LADDER, name: str | None = None, demand: bool = False,
-        priced: bool = False,
-    ) -> None:
-        if not steps or any(int(q) != q or q < 0 for q, _ in steps):
-            raise ValueError("ladder steps need queue depths that are integers of at least 0")
-        self.steps = tuple(sorted((int(q), check_tau(t)) for q, t in steps))
-        if self.steps[0][0] != 0:
-            self.steps = ((0, 1.0), *self.steps)
-        self.demand, self.priced = demand, priced
-        kind = "demand:" if demand else "ladder:"
-        self.name = name or kind + ",".join(f"{q}={t:g}" for q, t in self.steps)
-
-    def __call__(self, load: Load) -> float:
-        level = load.queue + load.running if self.demand else load.queue
-        tau = [t for q, t in self.steps if level >= q][-1]
-        if self.priced and tau < self.steps[0][1] and load.gain(tau) <= 1.0:
-            return self.steps[0][1]  # wider passes do not pay at this row count: keep quality, stay narrow
-        return tau
-
-
-class LatencyTarget:
-    """Steps tau down LEVELS while latency is over ``target`` s, up once it is under target / 2 (stateful)."""
-
-    def __init__(self, target: float, levels: Sequence[float] = LEVELS) -> None:
-        if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
-            raise ValueError(f"the latency target must be a positive number of seconds, got {target}")
-        self.target, self.levels = float(target), tuple(check_tau(t) for t in levels)
-        self.level = 0
-        self.name = f"latency:{self.target:g}"
-
-    def __call__(self, load: Load) -> float:
-        signal = max(load.recent_latency or 0.0, load.oldest_wait)
-        if signal > self.target:
-            self.level = min(self.level + 1, len(self.levels) - 1)
-        elif signal < self.target / 2:
-            self.level = max(self.level - 1, 0)
-        return self.levels[self.level]
-
-
-Policy = Callable[[Load], float]
 PassCost = Callable[[int, int, str, float], float]  # (rows, columns per row, "prefill" | "decode", measured s) -> s
-POLICY_HELP = (
-    "fixed:T (0 <= T <= 1), ladder[:Q=T,...], demand:N=T,..., latency:SECONDS, adaptive (= the default ladder)"
-)
-
-
-def split_policies(text: str) -> list[str]:
-    """Comma-separated policy specs; a ladder's own "Q=T" steps stay with it ("fixed:1,ladder:0=1,4=0.9")."""
-    specs: list[str] = []
-    for part in (p.strip() for p in (text or "").split(",")):
-        if specs and specs[-1].startswith(("ladder:", "demand:")) and re.fullmatch(r"\d+\s*=.*", part):
-            specs[-1] += "," + part
-        elif part:
-            specs.append(part)
-    return specs
-
-
-def parse_policy(text: str) -> Policy:
-    """One policy from its spec (POLICY_HELP); a ValueError with one line for anything else."""
-    name, _, arg = text.strip().partition(":")
-    try:
-        if name == "fixed" and arg:
-            return Fixed(float(arg))
-        if name == "adaptive" and not arg:
-            return Ladder(DEFAULT_LADDER, name="adaptive", priced=True)
-        if name == "ladder":
-            steps = [part.split("=") for part in arg.split(",")] if arg else DEFAULT_LADDER
-            return Ladder([(int(q), float(t)) for q, t in steps])
-        if name == "demand" and arg:
-            steps = [(int(q), float(t)) for q, t in (part.split("=") for part in arg.split(","))]
-            return Ladder(steps, demand=True, priced=True)
-        if name == "latency" and arg:
-            return LatencyTarget(float(arg))
-    except ValueError as err:
-        raise ValueError(f"bad policy {text!r}: {err}") from None
-    raise ValueError(f"unknown policy {text!r}; expected {POLICY_HELP}")
 
 
 @dataclass(frozen=True)
@@ -233,15 +124,25 @@ class LoopEvent:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How the loop decodes: one mode for every row; ``max_batch`` bounds the running rows."""
+    """How the loop decodes: one mode for every row; ``max_batch`` bounds the running rows.
+
+    temperature, top_p, top_k: as in DecodeConfig (exact mode samples as AR does); ``seed``: one generator
+    for the loop's every draw, so a replay on a simulated clock samples the same tokens again.
+    """
 
     mode: str = "mars"
     max_batch: int = 8
     max_new_tokens: int = 128
     block_size: int = 4
     metric: str = "probability"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        check_temperature(self.temperature, RANGES["temperature"][1])
+        Sampling(self.temperature, self.top_p, self.top_k)  # checks top_p and top_k
         if self.mode not in MODES or self.mode == "ar":
             raise ValueError(f"serving mode must be one of mars, hybrid, exact (AR is fixed:1.0), got {self.mode!r}")
         for name in ("max_batch", "max_new_tokens", "block_size"):
@@ -252,7 +153,8 @@ class ServeConfig:
     def decode_config(self) -> DecodeConfig:
         """The DecodeConfig every row of the batch decodes under (its tau comes from the policy, pass by pass)."""
         return DecodeConfig(mode=self.mode, metric=self.metric, max_new_tokens=self.max_new_tokens,
-                            block_size=self.block_size)
+                            block_size=self.block_size, temperature=self.temperature, top_p=self.top_p,
+                            top_k=self.top_k, seed=self.seed)
 
 
 class ServingLoop:
@@ -266,6 +168,7 @@ class ServingLoop:
         self.backend, self.mask_id, self.pad_id, self.stop_ids = backend, mask_id, pad_id, set(stop_ids)
         self.config, self.policy, self.pass_cost = config, policy, pass_cost
         self.controller = WidthController(surface, config.block_size)
+        self.generator = SeededGenerator(config.seed)  # every batch's draws, newcomers' included
         self.clock = 0.0
         self.served: dict[int, Served] = {}
         self.queue: deque[int] = deque()
@@ -419,7 +322,7 @@ class ServingLoop:
         c = self.config
         return TokenBatch(
             self.backend, prompts, c.decode_config(), block_size=c.block_size, mask_id=self.mask_id,
-            pad_id=self.pad_id, stop_ids=self.stop_ids, controller=self.controller,
+            pad_id=self.pad_id, stop_ids=self.stop_ids, controller=self.controller, generator=self.generator,
         )
 
     # -- a whole replay ------------------------------------------------------------------------

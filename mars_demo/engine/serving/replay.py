@@ -40,7 +40,8 @@ from ..decoding.loop import eos_ids
 from ..decoding.metrics import agreement, per_forward, per_second
 from ..decoding.width import Surface
 from ..model import LoadedModel
-from .loop import LoopEvent, PassCost, Request, ServeConfig, ServingLoop, parse_policy
+from .loop import LoopEvent, PassCost, Request, ServeConfig, ServingLoop
+from .policies import parse_policy
 
 ARRIVALS = ("poisson", "burst")
 BURST = 8

@@ -40,7 +40,8 @@ from ..decoding.chat import pad_id
 from ..decoding.loop import eos_ids
 from ..decoding.width import Surface, surface_for
 from ..model import LoadedModel
-from .loop import ENDINGS, Load, PassStep, Policy, Request, ServeConfig, ServingLoop, parse_policy
+from .loop import PassStep, Request, ServeConfig, ServingLoop
+from .policies import ENDINGS, Load, Policy, parse_policy
 
 logger = logging.getLogger(__name__)
 

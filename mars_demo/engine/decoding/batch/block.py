@@ -101,7 +101,8 @@ def block_passes(
         kv.crop(window.drop)  # masks or re-fed slots: the prefix stays fixed while the block fills
         cached += kind == "extend"  # an extend pass's token stays in the cache
         tokens, confs = accept_rows(
-            logits, window.start, window.cap, tau_now, metric, temperature, generator.on(logits.device)
+            logits, window.start, window.cap, tau_now, metric, temperature, generator.on(logits.device),
+            config.top_p, config.top_k,
         )
         steps = book.commit_all(active, tokens, confs)
         for r in active:

@@ -23,10 +23,11 @@ import torch
 
 from ...backends.base import Backend
 from ...backends.placement import SeededGenerator
-from .. import exact
+from .. import exact, speculative
 from ..acceptance import accept_rows
 from ..config import VERIFYING_MODES, DecodeConfig
 from ..loop import LiveTau
+from ..sampling import Sampling
 from ..width import GAIN, Hits, WidthController
 from .events import BatchEvent, RowStep
 from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
@@ -79,9 +80,10 @@ def verify_block(
 
 
 def verify_rows(
-    logits: torch.Tensor, drafts: list[list[int]], L: int, tau: float, metric: str
+    logits: torch.Tensor, drafts: list[list[int]], L: int, tau: float, metric: str,
+    rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None,
 ) -> list[exact.Verdict]:
-    """Each row's verdict.
+    """Each row's verdict; at a temperature by ``rule``, each row's drafts drawn from its ``proposals``.
 
     logits: (A, 1 + max drafts + L + fallback, vocab); a row's newest pending token is at column max - d.
     """
@@ -92,7 +94,10 @@ def verify_rows(
         rows = logits[r, start : start + 1 + len(d) + L]
         if d:
             rows = torch.cat([rows, logits[r, -L:]])
-        verdicts.append(exact.verify(rows, d, L, tau, metric))  # one host sync per row
+        if rule is None or rule.sampling.greedy:
+            verdicts.append(exact.verify(rows, d, L, tau, metric))  # one host sync per row
+        else:
+            verdicts.append(rule.verify(rows, d, L, tau, metric, proposals[r]))
     return verdicts
 
 
@@ -153,8 +158,9 @@ class TokenBatch:
     ) -> None:
         verifying = config.mode in VERIFYING_MODES
         self.B, self.mask_id, self.pad_id, self.metric = block_size, mask_id, pad_id, config.metric
-        self.temperature, self.verifying = config.temperature, verifying
+        self.sampling, self.verifying = Sampling(config.temperature, config.top_p, config.top_k), verifying
         self.generator = generator or SeededGenerator(None)
+        self.rule = speculative.Rule(self.sampling, self.generator)  # verifying at a temperature: the rule
         limit = limit_new_tokens(backend, prompts, config.max_new_tokens, 2 * block_size if verifying else block_size)
         self.book = RowBook(len(prompts), limit, set(stop_ids))
         self.kv = PaddedCache(backend, len(prompts))
@@ -163,6 +169,7 @@ class TokenBatch:
         self.next_pos = [0] * len(prompts)  # position id of each row's next real token
         # verifying: each row's guesses for the tokens after its pending ones
         self.drafts: list[list[int]] = [[] for _ in prompts]
+        self.proposals: list[torch.Tensor | None] = [None] * len(prompts)  # at a temperature: each row's drafts' q
         # verifying: each row's committed tokens, where exact passes look up drafts
         self.history = [list(p) for p in prompts]
         self.controller = controller or WidthController(None, block_size)
@@ -177,13 +184,14 @@ class TokenBatch:
         if self.verifying:
             depth = self._depth()
             for r in self.active:  # exact passes also draft by lookup, as decode_passes does
-                drafts = self.drafts[r]
-                self.drafts[r] = exact.pick_drafts(self.history[r], drafts, depth) if tau >= 1.0 else drafts[:depth]
+                self.drafts[r], self.proposals[r] = speculative.pick_drafts(
+                    self.history[r], self.drafts[r], self.proposals[r], depth, tau >= 1.0
+                )
             drafted = {r: len(self.drafts[r]) for r in self.active}
             if depth:
                 steps, fed = _verify_pass(
                     self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, depth, self.mask_id,
-                    self.pad_id, tau, self.metric,
+                    self.pad_id, tau, self.metric, self.rule, self.proposals,
                 )
             else:  # nothing to verify and no masks: a plain AR pass, without the verifying pass's 4-D mask
                 steps, fed = self._window_pass(1.0)
@@ -226,8 +234,10 @@ class TokenBatch:
                        self.mask_id, self.pad_id)
         logits = self.kv.forward(window)  # (A, width, vocab): each row's last real token and its masks
         self.kv.crop(window.drop)  # the masks; the accepted tokens are fed next pass
+        s = self.sampling
         tokens, confs = accept_rows(
-            logits, window.start, window.cap, tau, self.metric, self.temperature, self.generator.on(logits.device)
+            logits, window.start, window.cap, tau, self.metric, s.temperature, self.generator.on(logits.device),
+            s.top_p, s.top_k,
         )
         steps = book.commit_all(active, tokens, confs)
         for i, r in enumerate(active):
@@ -246,7 +256,7 @@ class TokenBatch:
             return []
         first = self.book.extend(other.book, live)
         rows = list(range(first, first + len(live)))
-        for name in ("pending", "next_pos", "drafts", "history", "hits"):
+        for name in ("pending", "next_pos", "drafts", "proposals", "history", "hits"):
             getattr(self, name).extend(getattr(other, name)[r] for r in live)
         if self.active:
             self.kv.merge(other.kv)
@@ -265,10 +275,12 @@ class TokenBatch:
 def _verify_pass(
     kv: PaddedCache, book: RowBook, active: list[int], pending: list[list[int]], drafts: list[list[int]],
     next_pos: list[int], L: int, mask_id: int, pad_id: int, tau: float, metric: str,
+    rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[RowStep], int]:
     """One verifying pass for every active row: feed, verify, commit, and keep in the cache only verified columns.
 
-    Updates pending, drafts and next_pos in place; returns the steps and the columns fed.
+    Updates pending, drafts, proposals (each row's drafts' q, at a temperature) and next_pos in place; returns the
+    steps and the columns fed.
     """
     rows_pending, rows_drafts = [pending[r] for r in active], [drafts[r] for r in active]
     cached = kv.length
@@ -276,7 +288,8 @@ def _verify_pass(
         rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device
     )
     logits = kv.forward_block(ids, positions, block, 1 + max(map(len, rows_drafts)) + ids.shape[1] - n)
-    verdicts = verify_rows(logits, rows_drafts, L, tau, metric)
+    rows_q = [proposals[r] for r in active] if proposals is not None else None
+    verdicts = verify_rows(logits, rows_drafts, L, tau, metric, rule, rows_q)
     steps = book.commit_all(active, [v.tokens for v in verdicts], [v.confidences for v in verdicts])
     # each row's columns up to its last verified draft
     kept = [n - len(d) + v.cached for d, v in zip(rows_drafts, verdicts)]
@@ -287,4 +300,6 @@ def _verify_pass(
         steps[r] = replace(steps[r], origins=tuple(v.origins[: len(steps[r].token_ids)]), width=width)
         next_pos[r] += len(pending[r]) + v.cached
         pending[r], drafts[r] = v.tokens[v.cached :], v.drafts
+        if proposals is not None:
+            proposals[r] = v.proposal
     return steps, ids.shape[1]
