@@ -1,21 +1,21 @@
 """Benchmark: every decoder on the same prompts, model, device and dtype, warmed up, quality beside speed.
 
 Runs (method, tau, batch size), each over all prompts:
-  ar                this project's AR decoder (decoding.stream, mode "ar"): the reference (batch 1)
+  ar                this project's AR decoder (decoding.loop.stream, mode "ar"): the reference (batch 1)
   hf_generate       transformers ``generate``, greedy, KV cache, transformers' own forward on the same weights
-  mars              MARS sliding window (decoding.stream) at each tau
-  mars_exact        exact mode (decoding.stream, mode "exact"): greedy AR's output in fewer passes
+  mars              MARS sliding window (decoding.loop.stream) at each tau
+  mars_exact        exact mode (decoding.loop.stream, mode "exact"): greedy AR's output in fewer passes
   prompt_lookup     transformers prompt-lookup decoding: the training-free peer (batch 1 only)
   ar_batch          transformers ``generate`` with left padding, at each batch size > 1
-  ar_batch_ours     batching.token_passes with window 1: our batched greedy AR
+  ar_batch_ours     decoding.batch.token_passes with window 1: our batched greedy AR
   mars_batch        block-level batch decoder (the paper's scheme) at each tau
   mars_batch_token  token-level batch decoder at each tau
   exact_batch       token-level batch decoder in exact mode: greedy AR's output, batched
 The token-level runs choose each pass's width with the width controller on the measured cost
-surface (engine/width.py; ``--max-fed none`` feeds the full window), recorded in ``machine``.
+surface (decoding/width.py; ``--max-fed none`` feeds the full window), recorded in ``machine``.
 
 Figures per run: tokens_per_second, tokens_per_forward, speedup (over the faster AR run at the
-same batch size, named in ``speedup_over``), delta_nll_self and agreement, as engine/metrics.py
+same batch size, named in ``speedup_over``), delta_nll_self and agreement, as decoding/metrics.py
 defines them, against our AR's outputs on the same backend and path (BENCHMARKS.md, "Columns"; docs/cli.md,
 "bench", for how ``generate`` is compared).
 Each run is warmed up (same code path, first prompts, a few tokens) before it is timed. The runs of
@@ -193,7 +193,7 @@ def run_hf(
 
 
 def run_single(lm: LoadedModel, prompts: list[list[int]], config: DecodeConfig, tick: Tick = _no_tick) -> Outcome:
-    """decoding.stream, one prompt at a time."""
+    """decoding.loop.stream_ids, one prompt at a time."""
     result = Outcome()
     for ids in prompts:
         started = time.perf_counter()
@@ -210,7 +210,7 @@ def run_single(lm: LoadedModel, prompts: list[list[int]], config: DecodeConfig, 
 def run_batch(
     lm: LoadedModel, prompts: list[list[int]], batch_size: int, config: DecodeConfig, scheme: str, tick: Tick = _no_tick
 ) -> Outcome:
-    """batching.stream_batch over consecutive chunks of ``batch_size`` prompts."""
+    """decoding.batch.stream_batch_ids over consecutive chunks of ``batch_size`` prompts."""
     result = Outcome()
     for chunk in _chunks(prompts, batch_size):
         started = time.perf_counter()

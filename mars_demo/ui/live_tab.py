@@ -1,9 +1,9 @@
 """The Serving tab's live section: the app's own visitors share one running batch, and tau follows them.
 
-Send puts the visitor's prompt into the picked model's shared batch (engine/live.py): one
+Send puts the visitor's prompt into the picked model's shared batch (engine/serving/shared.py): one
 worker thread per loaded model decodes every visitor's request together, a newcomer joining
 between two passes, and before every pass the live policy sets tau from the load (by default
-``engine.live.LIVE_POLICY``: tau 1.0 while one request is in the batch, 0.9 with two, 0.8
+``engine.serving.shared.LIVE_POLICY``: tau 1.0 while one request is in the batch, 0.9 with two, 0.8
 with three or four, 0.7 once someone waits). Each visitor sees only their own stream: their
 tokens, coloured by the pass that accepted them, with the tau of that pass in each token's
 tooltip and in the chart's tau line. Stop (or closing the page) takes the request out of the
@@ -59,7 +59,7 @@ class LiveState:
 
 
 def batches_from_env(env: Mapping[str, str] | None = None) -> SharedBatches:
-    """The shared batches with MARS_DEMO_LIVE_ROWS (default 4), _QUEUE (4), _POLICY (engine.live.LIVE_POLICY)
+    """The shared batches with MARS_DEMO_LIVE_ROWS (default 4), _QUEUE (4), _POLICY (serving.shared.LIVE_POLICY)
     and _PACE (0: seconds a pass takes at least); a bad value is a ValueError naming it. None: this process's."""
     rows = settings.LIVE_ROWS.read(env)
     return SharedBatches(ServeConfig(max_batch=rows, max_new_tokens=LIVE_NEW_TOKENS),

@@ -17,7 +17,8 @@ use is never dropped: loading another spec drops the least recently used idle mo
 and when every slot is in use the load is refused (``ModelBusy``) instead. Decoding
 needs no lock: a forward pass does not change the model, and each generation keeps
 its own KV cache. Before a load, ``guard(spec, precision=...)`` may refuse it (the app's guard
-is ``engine.memory.check_fits``: a model that would not fit in the free memory on that path is never loaded).
+is ``engine.checkpoints.memory.check_fits``: a model that would not fit in the free memory on that
+path is never loaded).
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ class ModelCache:
         if capacity < 1:
             raise ValueError(f"the model cache holds at least one model, got capacity {capacity}")
         self._loader = loader
-        self._guard = guard  # raises to refuse a load (engine.memory.check_fits), called before the loader
-        # raises at once for a spec that cannot load now (engine.loading.check_hub: the hub is out of reach),
+        self._guard = guard  # raises to refuse a load (checkpoints.memory.check_fits), called before the loader
+        # raises at once for a spec that cannot load now (checkpoints.hub.check_hub: the hub is out of reach),
         # before waiting for another session's load
         self._precheck = precheck
         self._capacity = capacity

@@ -163,7 +163,7 @@ def merged_bundled_dir() -> Path:
 def pick_device(device: str | None = None, precision: str | None = None) -> tuple[torch.device, torch.dtype]:
     """The device, and the dtype to load in.
 
-    fp32 on a CPU (kernels.py converts it), bf16 on a GPU unless fp32 is asked.
+    fp32 on a CPU (backends/cpu/quant.py converts it), bf16 on a GPU unless fp32 is asked.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -312,7 +312,7 @@ def load_model(
     """Load a checkpoint spec (see the module docstring); ``None`` means the bundled default.
 
     ``precision`` (auto, fp32, bf16, int8, int8dyn) puts a CPU model on a measured compute path
-    (kernels.py) for decoding; its weights must not change afterwards (no training, no
+    (backends/cpu/paths.py) for decoding; its weights must not change afterwards (no training, no
     merging). None loads plain fp32 on a CPU (training, data), bf16 on a GPU. ``rows``: the
     sequences the model will decode at once (auto chooses the path cheapest for that batch).
     """

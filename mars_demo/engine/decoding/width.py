@@ -23,7 +23,7 @@ so exact mode stays greedy AR's text at any width.
 
 A pass is a rectangle: every row is fed W columns, a row fed fewer gets holes (columns no one
 attends to), which cost as much as masks. A row's own width is therefore W, or less where its
-token limit leaves less room (batching/token.py); a backend that packs rows without holes
+token limit leaves less room (batch/token.py); a backend that packs rows without holes
 would let each row take its own width, and the surface would then be priced per token.
 """
 
@@ -82,7 +82,7 @@ class Surface:
 
     @classmethod
     def from_curve(cls, costs_ms: dict, *, name: str = "measured curve") -> Surface:
-        """One row's surface from a compute path's curve {tokens fed: ms} (kernels.ComputePath.costs_ms)."""
+        """One row's surface from a compute path's curve {tokens fed: ms} (cpu/paths.py's ComputePath.costs_ms)."""
         points = sorted((int(w), float(ms)) for w, ms in costs_ms.items())
         return cls((1,), [w for w, _ in points], [[ms for _, ms in points]], name=name)
 
@@ -367,7 +367,7 @@ class WidthController:
 
 
 class OneRow:
-    """The controller of one sequence (decoding.decode_passes): its running acceptance and each pass's width."""
+    """The controller of one sequence (loop.decode_passes): its running acceptance and each pass's width."""
 
     def __init__(self, controller: WidthController) -> None:
         self.controller, self.hits = controller, None

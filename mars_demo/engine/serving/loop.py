@@ -206,7 +206,7 @@ class ServingLoop:
         self._end(served, "stopped", None)
 
     def release(self, request_id: int) -> Served:
-        """Forget an ended request (a long-lived loop, engine/live.py, keeps only what is in flight)."""
+        """Forget an ended request (a long-lived loop, serving/shared.py, keeps only what is in flight)."""
         if not self.served[request_id].ended:
             raise ValueError(f"request {request_id} has not ended")
         del self.finished[:-RECENT]

@@ -62,7 +62,7 @@ class LiveUpdate:
     """What happened to one request since its last update."""
 
     steps: tuple[PassStep, ...]  # its new passes, oldest first
-    status: str  # "waiting", "running", or one of serving.ENDINGS (the last update)
+    status: str  # "waiting", "running", or one of policies.ENDINGS (the last update)
     reason: str | None = None  # done: "eos" or "length"; error: the message
     load: Load | None = None  # the load the latest pass's tau was chosen for
 

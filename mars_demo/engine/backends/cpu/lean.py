@@ -82,7 +82,7 @@ def _gemm(module: nn.Module):
 def _siblings(parent: nn.Module, names: tuple[str, ...]):
     """(one GEMM for all siblings or None, each sibling's GEMM, the split sizes of the fused output).
 
-    Siblings fused by kernels.FusedLinears are FusedSlices carrying ``fused`` = (group, its GEMM).
+    Siblings fused by quant.FusedLinears are FusedSlices carrying ``fused`` = (group, its GEMM).
     """
     slices = [getattr(parent, n) for n in names]
     fused = [getattr(s, "fused", None) for s in slices]

@@ -137,7 +137,7 @@ class NativeLayers:
     def pointers(buffers: list, memo: dict | None = None):
         """The buffers' addresses as decoder.cpp reads them: (keys, values), each an array by layer.
 
-        ``memo``: a dict kept by whoever owns the buffers (lean.LeanCache): the arrays are made again
+        ``memo``: a dict kept by whoever owns the buffers (cache.CpuCache, its native_memo): the arrays are made again
         only when a layer's buffers were replaced (the same tuples, the same addresses).
         """
         if memo is not None:

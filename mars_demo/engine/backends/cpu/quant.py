@@ -62,7 +62,7 @@ except (AttributeError, RuntimeError):  # a torch build without quantized CPU op
 class RowInt8Linear(nn.Module):
     """int8dyn's linear, row-exact: one activation scale per row, 7-bit per-channel weights.
 
-    One native call where the kernel builds (engine/int8gemm.py), else fbgemm's: the same bits.
+    One native call where the kernel builds (int8gemm.py), else fbgemm's: the same bits.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -2,7 +2,7 @@
 
 Exact mode, MARS at tau = 1.0 and batch rows equal one-token AR only if a row's output does not
 depend on the rows fed beside it. SDPA's does (its blocking follows the rows and keys of the call),
-so ``quant.row_exact_attention`` used to call SDPA once per row and layer, which was most of
+so ``attention.row_exact_attention`` used to call SDPA once per row and layer, which was most of
 what a wider pass cost over a one-token pass. ``csrc/row_attention.cpp`` does all the rows of a
 layer in one call, each row over its own visible keys in an order fixed by those keys alone (module
 comment there; figures in docs/bench/history.md, "Native row-exact attention").

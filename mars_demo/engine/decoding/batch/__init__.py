@@ -4,11 +4,11 @@ Two schemes, one event type (events.BatchEvent), the same acceptance and cache:
   * "block" (block.py): the paper's block-level KV cache. Blocks of B; the prefix
     cache is fixed while a block fills, fast rows wait at block boundaries, and
     the filled block extends the cache in the next block's first pass.
-  * "token" (token.py): every row runs the sliding window of decoding.py at its
+  * "token" (token.py): every row runs the sliding window of loop.py at its
     own pace, with holes in a rectangular cache instead of waiting.
 DEFAULT_SCHEME is the one that was faster on our benchmark (BENCHMARKS.md).
 With window 1 (mode "ar") both are plain batched greedy AR decoding.
-On the token scheme each pass's width comes from the width controller (engine/width.py) when the
+On the token scheme each pass's width comes from the width controller (decoding/width.py) when the
 config's ``max_fed`` is "auto" and the model has a measured cost surface: from plain AR passes where
 no mask pays on this machine to the full window where width is free. ``max_fed`` None feeds the
 full window as the paper does; an integer caps it. The block scheme always feeds the full window.
@@ -80,7 +80,7 @@ def stream_batch(
     if config.mode in VERIFYING_MODES and scheme != "token":
         raise ValueError(f"{config.mode} mode runs on the token-level batch scheme only")
     if config.mode == "exact":
-        tau = LiveTau(1.0)  # lossless, whatever a live tau says (decoding.stream)
+        tau = LiveTau(1.0)  # lossless, whatever a live tau says (loop.stream)
     window = 1 if config.mode == "ar" else (config.block_size or block_size)
     if scheme == "token":
         widest = window if config.max_fed in (None, "auto") else min(window, config.max_fed)

@@ -7,7 +7,7 @@ boundary. The cache is extended with the filled block in the next block's first 
 ([filled block | B-1 masks]): exact, as attention is causal, and one pass fewer per block.
 At tau = 1.0 no pass feeds masks: while the rows are level, "extend" passes keep each row's
 newest token in the cache. Each row equals the block-capped sliding window decoded alone
-(batching.reference.reference_block_decode), token for token.
+(tests/batch_reference.py's reference_block_decode), token for token.
 """
 
 from __future__ import annotations

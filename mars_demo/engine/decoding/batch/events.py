@@ -2,9 +2,9 @@
 
 Each event carries, per row, the tokens that pass accepted for it and their
 confidences (a row waiting at a block boundary, or already finished, gets an empty
-step), the tau in force and the pass's seconds, like decoding.StepEvent does for
-one sequence. Per-row totals are decoding.RunStats, so one row of a batch reads
-exactly like a single-sequence run; the batch's rates follow engine/metrics.py.
+step), the tau in force and the pass's seconds, like loop.StepEvent does for
+one sequence. Per-row totals are loop.RunStats, so one row of a batch reads
+exactly like a single-sequence run; the batch's rates follow decoding/metrics.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class RowStep:
     token_ids: tuple[int, ...] = ()
     confidences: tuple[float, ...] = ()
     finish: str | None = None  # "eos" or "length" on the pass that ended the row
-    origins: tuple[str, ...] = ()  # per token, as decoding.StepEvent.origins
+    origins: tuple[str, ...] = ()  # per token, as loop.StepEvent.origins
     width: int = 0  # candidates the row was offered (1: an AR pass; 0: it was not in the pass)
 
 

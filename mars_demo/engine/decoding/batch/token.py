@@ -1,4 +1,4 @@
-"""Token-level batch decoding: every row runs the sliding window of decoding.py on its own.
+"""Token-level batch decoding: every row runs the sliding window of loop.py on its own.
 
 Each pass feeds, per row, [holes | tokens it accepted last pass | B-1 masks], right
 aligned so that the masks are the last B-1 columns of every row; the masks are
@@ -10,7 +10,7 @@ block boundary, and each row sees exactly the context it would see alone.
 A finished row leaves the batch (its cache row is dropped) and stays finished.
 
 Single-row semantics, which each row of a batch reproduces token for token:
-decoding.decode_passes (reference.reference_decode without a cache).
+loop.decode_passes (tests/reference.py's reference_decode without a cache).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class TokenBatch:
     Rows are the book's indices; ``active`` lists the live ones in cache order. ``step`` runs
     one pass for every active row. ``join`` merges another batch's rows (prompts prefilled by
     that batch's own first pass) into this one, and ``end`` takes a row out: the serving loop
-    (serving.py) admits and releases rows between passes with these, token_passes only steps.
+    (serving/loop.py) admits and releases rows between passes with these, token_passes only steps.
 
     Each pass's width comes from ``controller`` (width.py): from 1 (an AR pass) to B for "mars", and
     the number of drafts and masks per group (0 to B - 1) for verifying passes; in the prefill the
