@@ -192,7 +192,8 @@ def test_bad_input_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="empty"):
         generate_batch(tiny_llama, ["hello", "  "])
     with pytest.raises(ValueError, match="scheme"):
-        decode_batch(tiny_llama.backend, [[1, 2]], DecodeConfig(), scheme="nope")
+        decode_batch(tiny_llama.backend, [[1, 2]], DecodeConfig(), scheme="nope", block_size=4, mask_id=3, pad_id=0,
+                     tau=LiveTau(1.0))
     with pytest.raises(ValueError, match="stop strings"):
         generate_batch(tiny_llama, ["hello"], DecodeConfig(stop=("x",)))
     for scheme in SCHEMES:

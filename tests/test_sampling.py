@@ -18,6 +18,7 @@ import torch
 
 from mars_demo.engine.decoding import sampling, speculative
 from mars_demo.engine.decoding.batch import collect_batch
+from mars_demo.engine.decoding.batch.rows import BatchSpec
 from mars_demo.engine.decoding.batch.token import token_passes
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
@@ -98,10 +99,8 @@ def batch_runs(lm, ids, how: Sampling, n: int, tokens: int, block_size: int = 2,
     """The first ``tokens`` tokens of ``n`` rows of one token-level batch (mode "ar" with block_size 1)."""
     config = DecodeConfig(mode="hybrid" if verifying else "mars", temperature=how.temperature, top_p=how.top_p,
                           top_k=how.top_k, max_new_tokens=tokens, seed=0)
-    batch = token_passes(
-        lm.backend, [ids] * n, config, block_size=block_size, mask_id=lm.meta.mask_token_id, pad_id=0,
-        tau=LiveTau(1.0), stop_ids=eos_ids(lm.backend, lm.tokenizer),
-    )
+    spec = BatchSpec(block_size, lm.meta.mask_token_id, 0, LiveTau(1.0), frozenset(eos_ids(lm.backend, lm.tokenizer)))
+    batch = token_passes(lm.backend, [ids] * n, config, spec)
     return [tuple(row) for row in collect_batch(batch).token_ids]
 
 

@@ -23,6 +23,14 @@ import torch
 from transformers import PreTrainedModel
 
 
+def left_holes(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Keys or values (rows, heads, columns, dim) padded to ``width`` columns with zeros on the left (holes)."""
+    missing = width - t.shape[-2]
+    if missing <= 0:
+        return t
+    return torch.cat([t.new_zeros((*t.shape[:-2], missing, t.shape[-1])), t], dim=-2)
+
+
 class KVCache(ABC):
     """The keys and values of every column a backend has been fed, all rows the same number of columns."""
 

@@ -17,16 +17,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from .base import Backend, KVCache
+from .base import Backend, KVCache, left_holes
 from .placement import input_device
-
-
-def _left_holes(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad the column axis (dim -2 of keys / values (rows, heads, columns, dim)) on the left to ``width``."""
-    missing = width - t.shape[-2]
-    if missing <= 0:
-        return t
-    return torch.cat([t.new_zeros((*t.shape[:-2], missing, t.shape[-1])), t], dim=-2)
 
 
 class HFCache(KVCache):
@@ -59,8 +51,8 @@ class HFCache(KVCache):
 
     def stack(self, other: KVCache, width: int) -> None:
         for mine, theirs in zip(self._layers(), other._layers()):
-            mine.keys = torch.cat([_left_holes(mine.keys, width), _left_holes(theirs.keys, width)], dim=0)
-            mine.values = torch.cat([_left_holes(mine.values, width), _left_holes(theirs.values, width)], dim=0)
+            mine.keys = torch.cat([left_holes(mine.keys, width), left_holes(theirs.keys, width)], dim=0)
+            mine.values = torch.cat([left_holes(mine.values, width), left_holes(theirs.values, width)], dim=0)
 
     def drop_front(self, columns: int) -> None:
         if columns > 0:

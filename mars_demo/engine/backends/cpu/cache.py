@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import KVCache
+from ..base import KVCache, left_holes
 
 SLACK = 256  # columns a buffer is allocated beyond what it holds (and at least half as many again)
 
@@ -23,13 +23,6 @@ def _with_room(held: torch.Tensor, columns: int) -> torch.Tensor:
     buffer = held.new_empty((*held.shape[:2], size, held.shape[-1]))
     buffer[:, :, : held.shape[-2]].copy_(held)
     return buffer
-
-
-def _left_holes(t: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - t.shape[-2]
-    if missing <= 0:
-        return t
-    return torch.cat([t.new_zeros((*t.shape[:-2], missing, t.shape[-1])), t], dim=-2)
 
 
 class CpuCache(KVCache):
@@ -91,7 +84,7 @@ class CpuCache(KVCache):
         if not mine:
             mine = [(k[:0], v[:0]) for k, v in theirs]
         self.buffers = [
-            tuple(_with_room(torch.cat([_left_holes(a, width), _left_holes(b, width)], dim=0), width)
+            tuple(_with_room(torch.cat([left_holes(a, width), left_holes(b, width)], dim=0), width)
                   for a, b in zip(pair_a, pair_b))
             for pair_a, pair_b in zip(mine, theirs)
         ]

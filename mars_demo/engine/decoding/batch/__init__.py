@@ -28,6 +28,7 @@ from ..loop import LiveTau, eos_ids
 from ..width import Surface, WidthController, surface_for
 from .block import block_passes
 from .events import BatchEvent, BatchGeneration, BatchStats, RowStep, collect_batch
+from .rows import BatchSpec
 from .token import token_passes
 
 SCHEMES = {"block": block_passes, "token": token_passes}
@@ -50,12 +51,13 @@ __all__ = [
 
 def decode_batch(
     backend: Backend, prompts: Sequence[Sequence[int]], config: DecodeConfig, *, scheme: str = DEFAULT_SCHEME,
-    **settings,
+    block_size: int, mask_id: int, pad_id: int, tau: LiveTau, stop_ids: set[int] = frozenset(), **settings,
 ) -> Iterator[BatchEvent]:
-    """Token space: decode ``prompts`` (token ids) with ``scheme``; settings as in block_passes / token_passes."""
+    """Token space: decode ``prompts`` (token ids) with ``scheme``; ``settings`` as in token_passes (controller)."""
     if scheme not in SCHEMES:
         raise ValueError(f"batch scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    return SCHEMES[scheme](backend, prompts, config, **settings)
+    spec = BatchSpec(block_size, mask_id, pad_id, tau, frozenset(stop_ids))
+    return SCHEMES[scheme](backend, prompts, config, spec, **settings)
 
 
 def stream_batch(

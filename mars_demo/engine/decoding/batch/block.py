@@ -21,9 +21,8 @@ from ...backends.base import Backend
 from ...backends.placement import SeededGenerator
 from ..acceptance import accept_rows
 from ..config import DecodeConfig
-from ..loop import LiveTau
 from .events import BatchEvent
-from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
+from .rows import BatchSpec, PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
 
 def open_block(
@@ -66,20 +65,16 @@ def block_passes(
     backend: Backend,
     prompts: Sequence[Sequence[int]],
     config: DecodeConfig,
-    *,
-    block_size: int,
-    mask_id: int,
-    pad_id: int,
-    tau: LiveTau,
-    stop_ids: set[int] = frozenset(),
+    spec: BatchSpec,
 ) -> Iterator[BatchEvent]:
     """Decode token-id ``prompts`` together under ``config``, block by block; one BatchEvent per forward pass."""
-    B, R, metric, temperature = block_size, len(prompts), config.metric, config.temperature
+    B, R, metric, temperature = spec.block_size, len(prompts), config.metric, config.temperature
+    mask_id, tau = spec.mask_id, spec.tau
     max_new_tokens = limit_new_tokens(backend, prompts, config.max_new_tokens, 2 * B)
-    ext, ext_attn = left_pad(prompts, pad_id)  # (R, W): what the next block-start pass adds to the cache
+    ext, ext_attn = left_pad(prompts, spec.pad_id)  # (R, W): what the next block-start pass adds to the cache
     offset = [len(ext[0]) - len(p) for p in prompts]  # left padding: position id = column - offset
     generator = SeededGenerator(config.seed)  # on the logits' device (placement.py)
-    book = RowBook(R, max_new_tokens, set(stop_ids))
+    book = RowBook(R, max_new_tokens, set(spec.stop_ids))
     kv = PaddedCache(backend, R)
     active = list(range(R))  # rows still decoding, in cache order
     block: list[list[int]] = [[] for _ in range(R)]  # the block being filled, per row

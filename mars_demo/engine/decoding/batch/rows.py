@@ -17,8 +17,19 @@ import torch
 
 from ...backends.base import Backend
 from ..commit import commit_tokens
-from ..loop import RunStats, context_limit
+from ..loop import LiveTau, RunStats, context_limit
 from .events import BatchStats, RowStep
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What a batch decodes with besides its DecodeConfig: the window, the special ids, the live tau."""
+
+    block_size: int
+    mask_id: int
+    pad_id: int
+    tau: LiveTau
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,10 @@ from ...backends.placement import SeededGenerator
 from .. import exact, speculative
 from ..acceptance import accept_rows
 from ..config import VERIFYING_MODES, DecodeConfig
-from ..loop import LiveTau
 from ..sampling import Sampling
 from ..width import GAIN, Hits, WidthController
 from .events import BatchEvent, RowStep
-from .rows import PaddedCache, RowBook, Window, left_pad, limit_new_tokens
+from .rows import BatchSpec, PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
 
 def slide(
@@ -106,12 +105,7 @@ def token_passes(
     backend: Backend,
     prompts: Sequence[Sequence[int]],
     config: DecodeConfig,
-    *,
-    block_size: int,
-    mask_id: int,
-    pad_id: int,
-    tau: LiveTau,
-    stop_ids: set[int] = frozenset(),
+    spec: BatchSpec,
     controller: WidthController | None = None,
 ) -> Iterator[BatchEvent]:
     """Decode token-id ``prompts`` together under ``config``, each row at its own pace; one BatchEvent per pass.
@@ -121,12 +115,12 @@ def token_passes(
     """
     generator = SeededGenerator(config.seed)  # on the logits' device (placement.py)
     batch = TokenBatch(
-        backend, prompts, config, block_size=block_size, mask_id=mask_id, pad_id=pad_id, stop_ids=stop_ids,
-        generator=generator, controller=controller,
+        backend, prompts, config, block_size=spec.block_size, mask_id=spec.mask_id, pad_id=spec.pad_id,
+        stop_ids=spec.stop_ids, generator=generator, controller=controller,
     )
     index = 0
     while True:
-        tau_now = tau.get()
+        tau_now = spec.tau.get()
         started = time.perf_counter()
         steps, fed = batch.step(tau_now)
         seconds = time.perf_counter() - started
