@@ -581,6 +581,10 @@ def test_train_command(tmp_path, base_dir, capsys):
         assert at_09[key] == pytest.approx(logged[key], abs=0.02)
     assert cli.main(["validate", "--model", str(validated), "--data", str(held)]) == 0
     assert "tok/pass" in capsys.readouterr().out
+    assert cli.main(["validate", "--model", str(validated), "--data", str(held), "--trees", "--json"]) == 0
+    trees = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert trees["costs_ms"] is None and [h["depth"] for h in trees["hits"]] == [1, 2, 3]  # block 4: 3 masks
+    assert {tuple(s["shape"]) for s in trees["shapes"]} >= {(1, 1, 1), (2, 1), (3, 3, 3)}
     assert cli.main(["validate", "--model", str(validated), "--data", str(held), "--taus", "1.5"]) == 2
     assert cli.main(["validate", "--model", str(validated), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert cli.main(argv[:6] + [str(tmp_path / "leak"), "--val-data", str(data)] + argv[7:]) == 2

@@ -52,9 +52,13 @@ def _ratio(num: float, den: float) -> float | None:
 @torch.no_grad()
 def validate(
     model: torch.nn.Module, examples: list[Example], mask_id: int, pad_id: int, block_size: int,
-    *, taus: tuple[float, ...] = (VAL_TAU,), batch_size: int = 8, step: int = 0,
+    *, taus: tuple[float, ...] = (VAL_TAU,), batch_size: int = 8, step: int = 0, ranks: list | None = None,
 ) -> list[Validation]:
-    """Losses, argmax agreement and, per tau, an acceptance estimate on ``examples`` (see ``Validation``)."""
+    """Losses, argmax agreement and, per tau, an acceptance estimate on ``examples`` (see ``Validation``).
+
+    ``ranks``: a list that gets, per batch, where the row's token stands in each mask's distribution at every
+    full block ((passes, B - 1) tensors: research/candidate_trees.py).
+    """
     if not examples:
         raise ValueError("no validation examples")
     taus = tuple(check_tau(tau) for tau in taus)
@@ -71,7 +75,7 @@ def validate(
             batch = collate(examples[start : start + batch_size], mask_id, pad_id, block_size)
             with cuda_autocast(device):
                 logits, targets = target_logits(model, batch.to(device))
-            _add_batch(batch, logits, targets, block_size, totals, per_tau)
+            _add_batch(batch, logits, targets, block_size, totals, per_tau, ranks)
     finally:
         model.train(was_training)
     return [
@@ -89,7 +93,8 @@ def validate(
 
 
 def _add_batch(
-    batch, logits: torch.Tensor, targets: torch.Tensor, block_size: int, totals: dict, per_tau: dict
+    batch, logits: torch.Tensor, targets: torch.Tensor, block_size: int, totals: dict, per_tau: dict,
+    ranks: list | None = None,
 ) -> None:
     """Add one batch's losses, agreement and, at every full block, each tau's acceptance to the running sums."""
     losses = F.cross_entropy(logits, targets, reduction="none").cpu()
@@ -118,6 +123,8 @@ def _add_batch(
     on_path = torch.tensor([[at[True, row, p + j] - n_noisy for j in range(block_size)] for row, p in full])
     path = p_row[on_path].cumprod(dim=-1)  # (passes, B): the AR head's probability of x_p..x_{p+j}
     totals["passes"] += len(full)
+    if ranks is not None:
+        ranks.append(_ranks(logits, targets, index[:, 1:]))
     for tau, sums in per_tau.items():
         sums["path"] += accept_count(path, tau).sum().item()
         counts = accept_count(conf[index], tau)
@@ -127,3 +134,14 @@ def _add_batch(
         sums["extra"] += extra.sum().item()
         sums["matched"] += (right[index] & extra).sum().item()
         sums["reach"] += extra.sum(dim=0)
+
+
+def _ranks(logits: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(passes, B - 1): how many tokens each mask's distribution puts above the row's token (0: its argmax)."""
+    out = torch.empty(index.shape, dtype=torch.long)
+    for d in range(index.shape[1]):
+        at = index[:, d].to(logits.device)
+        rows = logits[at]  # (passes, vocab)
+        own = rows.gather(1, targets[at][:, None])
+        out[:, d] = (rows > own).sum(dim=1).cpu()
+    return out
