@@ -133,10 +133,15 @@ class DraftDepth:
     the next pass draft-less unless every draft held; without drafts, a pass commits
     one token and drafts D. Without a curve (a GPU, an unmeasured model) passes are
     taken to cost the same at any width: the widest layout with fallback masks.
-    The layout changes the width of passes, never which tokens are committed.
+    A plain AR pass (D = 0) tries no draft, so it would learn nothing that could end a run of them:
+    while they are chosen the counts fade towards the prior (FADE a pass), and drafting is tried again
+    after a few passes or, on much evidence against it, many (a sampled run's first rejections would
+    otherwise leave it on AR passes for good). The layout changes the width of passes, never which
+    tokens are committed.
     """
 
     PRIOR = (1, 2)  # pseudo-counts (held, tried) per depth: a first guess of one in two
+    FADE = 0.9  # what an AR pass leaves of the counts past the prior
 
     def __init__(self, most: int, costs: dict[int, float] | None) -> None:
         self.most = most
@@ -175,7 +180,12 @@ class DraftDepth:
         if not self.costs or self.most < 1:
             return self.most, True
         options = [(0, True)] + [(d, f) for d in range(1, self.most + 1) for f in fallbacks]
-        return max(options, key=lambda option: self.rate(*option))
+        chosen = max(options, key=lambda option: self.rate(*option))
+        if not chosen[0]:
+            (h, t), fade = self.PRIOR, self.FADE
+            self.held = [h + (n - h) * fade for n in self.held]
+            self.tried = [t + (n - t) * fade for n in self.tried]
+        return chosen
 
 
 def lookup(history: list[int], most: int, ngram: int) -> list[int]:

@@ -99,9 +99,55 @@ class Sampling:
         """(..., vocab) the distribution a token is drawn from."""
         return self.split(logits)[1]
 
+    def support(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tempered, tokens, probs): ``split``'s distributions with the drawn one kept sparse.
+
+        tempered (rows, vocab) as split's; tokens (rows, k) a set of tokens holding everything the filters
+        leave, most likely first, and probs (rows, k) the distribution a token is drawn from over them (0 at
+        those the filters drop). Without filters the set is the whole vocabulary, in its order; with them the
+        top FIRST_K tokens, then 8x more, ..., until the set is sure to hold every token kept (ties included),
+        so a pass's sampling work is over k columns, not the vocabulary.
+        """
+        scaled = logits.float() / self.temperature
+        tempered = torch.softmax(scaled, dim=-1)
+        rows, vocab = scaled.shape
+        if not self.filtered:
+            return tempered, torch.arange(vocab, device=scaled.device).expand(rows, vocab), tempered
+        k = min(max(FIRST_K, self.top_k + 1), vocab)
+        while True:
+            values, tokens = scaled.topk(k, dim=-1)  # most likely first: softmax keeps the order
+            kept, whole = _kept(values, tempered.gather(-1, tokens), self.top_k, self.top_p)
+            if k == vocab or whole:
+                return tempered, tokens, _normalised(kept)
+            k = min(8 * k, vocab)
+
 
 def _normalised(weights: torch.Tensor) -> torch.Tensor:
     return weights / weights.sum(-1, keepdim=True)
+
+
+def _kept(values: torch.Tensor, top: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, bool]:
+    """(rows, k) ``top`` (the tempered probabilities of the top k tokens by ``values``, their scaled logits)
+    where top-k and then top-p keep them, else 0; and whether no token past the k can be kept.
+
+    The same sets as ``Sampling.keep``: top-k keeps what reaches the top_k-th value, ties included; top-p the
+    smallest set whose mass (of what top-k left, renormalised) reaches top_p, ties at its edge included.
+    """
+    k, whole = values.shape[-1], True
+    if 0 < top_k < k:
+        edge = values[..., top_k - 1 : top_k]
+        top = top * (values >= edge)
+        whole = bool((values[..., -1:] < edge).all())  # a tie past the k would be kept too
+    elif top_k:
+        whole = False
+    if top_p < 1.0:
+        probs = top / top.sum(-1, keepdim=True) if top_k else top  # without top-k, top is already of the vocabulary
+        reach = probs.cumsum(-1)
+        edge = probs.gather(-1, ((reach - probs) < top_p).sum(-1, keepdim=True) - 1)
+        top = top * (probs >= edge)
+        if not top_k:  # the nucleus must be reached within the k, and nothing past them tie its edge
+            whole = bool(((reach[..., -1:] >= top_p) & (probs[..., -1:] < edge)).all())
+    return top, whole
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -134,6 +180,10 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     large vocabulary costs more than the rest of a pass's sampling.
     """
     rows, vocab = weights.shape
+    if vocab <= BLOCK:  # one block: the cumulative sum at once
+        cdf = weights.double().cumsum(-1)
+        u = torch.rand(rows, 1, generator=generator, device=weights.device, dtype=torch.float64) * cdf[:, -1:]
+        return _first_past(cdf, u, weights > 0)
     blocks = -(-vocab // BLOCK)
     tiled = torch.nn.functional.pad(weights, (0, blocks * BLOCK - vocab)).view(rows, blocks, BLOCK)
     cdf = tiled.sum(-1, dtype=torch.float64).cumsum(-1)  # (rows, blocks)
@@ -187,8 +237,3 @@ def failed_test(q: torch.Tensor, tempered: torch.Tensor, tau: float) -> torch.Te
     total = low.sum()
     return torch.where(total > 0, low / total.clamp_min(1e-30), q)
 
-
-def one_hot(tokens: list[int], vocab: int, device) -> torch.Tensor:
-    """(len(tokens), vocab) fp32 one-hot rows: the q of drafts copied from the text."""
-    rows = torch.zeros(len(tokens), vocab, dtype=torch.float32, device=device)
-    return rows.scatter_(1, torch.tensor(tokens, dtype=torch.long, device=device)[:, None], 1.0)
