@@ -340,3 +340,14 @@ def test_bench_profiles_the_body_and_the_head_of_the_engines_forward():
         assert parts["forward_body"] > 0 and parts["lm_head"] > 0, parts
         assert parts["forward_body"] + parts["lm_head"] <= parts["total"]
     assert lm.backend.lean.clock is None  # taken off afterwards
+
+
+def test_a_pass_whose_rows_differ_from_the_caches_is_refused():
+    """Rows change only through keep_rows and stack; a pass that disagrees would drop the cached columns."""
+    from mars_demo.engine.backends.cpu.cache import CpuCache
+
+    cache = CpuCache(layers=2)
+    cache.open(torch.zeros(1, 2, 0, 8), 5)
+    with pytest.raises(ValueError, match="a pass of 2 rows on a cache of 1 rows"):
+        cache.open(torch.zeros(2, 2, 0, 8), 1)
+    assert cache.get_seq_length() == 5

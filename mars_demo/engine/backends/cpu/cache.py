@@ -53,6 +53,8 @@ class CpuCache(KVCache):
             first is None or end > first.shape[-2] or first.shape[:2] != like.shape[:2]
             or first.shape[-1] != like.shape[-1] or first.dtype != like.dtype
         ):
+            if first is not None and first.shape[:2] != like.shape[:2] and start:
+                raise ValueError(f"a pass of {like.shape[0]} rows on a cache of {first.shape[0]} rows")
             if first is None or first.shape[:2] != like.shape[:2]:
                 empty = like.new_empty((*like.shape[:2], 0, like.shape[-1]))
                 self.buffers = [(_with_room(empty, end), _with_room(empty, end)) for _ in range(self.layers)]
@@ -68,9 +70,6 @@ class CpuCache(KVCache):
         k[:, :, self.start : self.end].copy_(keys)
         v[:, :, self.start : self.end].copy_(values)
         return k[:, :, : self.end], v[:, :, : self.end]
-
-    def _replace(self, make) -> None:
-        self.buffers = [(make(k[:, :, : self.end]), make(v[:, :, : self.end])) for k, v in self.buffers]
 
     def keep_rows(self, index: torch.Tensor) -> None:
         if self.buffers:
@@ -92,5 +91,6 @@ class CpuCache(KVCache):
 
     def drop_front(self, columns: int) -> None:
         if columns > 0:
-            self._replace(lambda held: _with_room(held[:, :, columns:], self.end - columns))
             self.end -= columns
+            self.buffers = [(_with_room(k[:, :, columns : columns + self.end], self.end),
+                             _with_room(v[:, :, columns : columns + self.end], self.end)) for k, v in self.buffers]
