@@ -337,6 +337,10 @@ LEAN = _declare("MARS_DEMO_LEAN", SWITCH, True, "the engine's own forward; off: 
 DECODER = _declare(
     "MARS_DEMO_DECODER", SWITCH, True,
     "int8dyn's native decoder (a layer in one call); off: the torch layers around the kernels", "engine")
+HALF_CACHE = _declare(
+    "MARS_DEMO_HALF_CACHE", SWITCH, True,
+    "int8dyn's native decoder keeps keys and values as fp16 (llama.cpp's default): half the bytes each pass reads; "
+    "off: fp32", "engine")
 ROWATTN = _declare(
     "MARS_DEMO_ROWATTN", SWITCH, True, "the native attention of a padded batch; off: SDPA row by row", "engine")
 INT8GEMM = _declare("MARS_DEMO_INT8GEMM", SWITCH, True, "the native int8 GEMM; off: fbgemm", "engine")

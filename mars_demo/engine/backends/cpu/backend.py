@@ -28,6 +28,8 @@ def attention_for(model: PreTrainedModel) -> str:
 class CpuBackend(Backend):
     """``model``'s weights run by the CPU engine; ``compute``: its measured compute path (paths.ComputePath)."""
 
+    padding_costs = True
+
     def __init__(self, model: PreTrainedModel, compute=None) -> None:
         why = unsupported(model)
         if why is not None:
