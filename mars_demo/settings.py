@@ -243,8 +243,8 @@ MAX_NEW_TOKENS = _declare(
     hosted=512)
 SWEEP_RUNS = _declare(
     "MARS_DEMO_SWEEP_RUNS", whole(1, 10_000), 120,
-    "runs one sweep may plan (per prompt: AR, tau 1.0 and each tau; the default 4 prompts x 5 taus is 28)",
-    "limits", hosted=28)
+    "runs one sweep may plan (per prompt: AR, exact mode, tau 1.0 and each tau; the default 4 prompts x 5 taus is "
+    "32)", "limits", hosted=32)
 SWEEP_TOKENS = _declare("MARS_DEMO_SWEEP_TOKENS", whole(1, 2048), 2048, "a sweep run's max new tokens", "limits",
                         hosted=128)
 PATHS = _declare(

@@ -17,7 +17,7 @@ from . import rowattn
 
 ROW_EXACT = "row_exact"  # passes of up to ROW_EXACT_ROWS rows attend row by row; longer ones in one call
 ROW_EXACT_ROWS = 16
-# int8dyn and int8: prefills up to this many rows attend row by row too. A MARS or exact prefill
+# bf16, int8 and int8dyn: prefills up to this many rows attend row by row too. A MARS or exact prefill
 # feeds the prompt and masks, AR's the prompt alone, a batch's prefill pads its prompts, and SDPA
 # over a block of rows rounds by block size (~1e-6 in fp32): int8dyn's per-row scales can turn that
 # into a flipped token (BENCHMARKS.md, "Quality by compute path"), and so can int8's near ties (a live
