@@ -18,7 +18,9 @@ from mars_demo.engine.decoding.batch.rows import PaddedCache, fill_from_end
 from mars_demo.engine.decoding.batch.token import slide
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
-from mars_demo.engine.decoding.loop import collect, stream
+from mars_demo.engine.decoding.loop import LiveTau, collect, decode_passes, eos_ids, stream
+from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
+from mars_demo.engine.serving.policies import parse_policy
 
 from conftest import PROMPTS, make_lm
 
@@ -129,3 +131,47 @@ def test_dropping_the_front_is_a_view_until_the_cache_grows():
     room = cache.buffers[0][0].shape[2]
     cache.open(keys[:, :, :0], room)  # past the room left: new buffers holding the same columns
     assert torch.equal(cache.buffers[0][0][:, :, :3], keys[:, :, 2:])
+
+
+def test_rows_join_into_spare_rows_with_holes_on_the_left():
+    def filled(rows: int, columns: int, seed: int) -> tuple[CpuCache, torch.Tensor]:
+        cache, keys = CpuCache(1), torch.randn(rows, 1, columns, 2, generator=torch.Generator().manual_seed(seed))
+        cache.open(keys[:, :, :0], columns)
+        cache.write(0, keys, keys + 1)
+        return cache, keys
+
+    (batch, mine), (first, a), (second, b) = filled(2, 6, 0), filled(1, 4, 1), filled(1, 3, 2)
+    batch.stack([first], 6)  # a first join: new buffers, with rows to spare
+    assert batch.buffers[0][0].shape[0] == 3 and batch.bases[0][0].shape[0] > 3
+    spare_before = batch.bases[0][0].data_ptr()
+    batch.stack([second], 6)  # the next: into a spare row, no new buffers
+    assert batch.bases[0][0].data_ptr() == spare_before and batch.get_seq_length() == 6
+    want = torch.cat([mine, torch.cat([torch.zeros(1, 1, 2, 2), a], 2), torch.cat([torch.zeros(1, 1, 3, 2), b], 2)])
+    k, v = batch.buffers[0]
+    assert torch.equal(k[:, :, :6], want) and torch.equal(v[:, :, 3:6][3], b[0] + 1)
+    longer, _ = filled(1, 9, 3)
+    batch.stack([longer], 9)  # longer than the batch: new buffers, the batch's rows get holes
+    assert batch.get_seq_length() == 9 and torch.equal(batch.buffers[0][0][:4, :, 3:9], want)
+
+
+@pytest.mark.parametrize("mode", ["mars", "exact"])
+def test_requests_joining_and_leaving_a_running_batch_decode_as_alone(on_path, mode):
+    """Continuous batching on the CPU engine: rows join into spare rows, leave in place, and each request's
+    text is that of the single-sequence decoder."""
+    lm, texts = on_path, [*MIXED, PROMPTS[1], PROMPTS[3], PROMPTS[0][:9]]
+    stop = eos_ids(lm.backend, lm.tokenizer)
+    loop = ServingLoop(
+        lm.backend, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id, stop_ids=stop,
+        config=ServeConfig(mode=mode, max_batch=3, max_new_tokens=16), policy=parse_policy("fixed:1.0"),
+        pass_cost=lambda rows, width, kind, measured: 0.01 + 0.001 * rows * width,
+    )
+    arrivals = (0.0, 0.0, 0.02, 0.03, 0.05, 0.06, 0.2)
+    events = list(loop.run([Request(i, tuple(prompt_ids(lm.tokenizer, t)), a)
+                            for i, (t, a) in enumerate(zip(texts, arrivals))]))
+    assert any(e.admitted and e.running > len(e.admitted) for e in events)  # someone joined a running batch
+    for served in loop.served.values():
+        assert served.status == "done"
+        passes = decode_passes(lm.backend, list(served.request.prompt),
+                               DecodeConfig(mode=mode, max_new_tokens=16, max_fed=None), window=4,
+                               mask_id=lm.meta.mask_token_id, tau=LiveTau(1.0), stop_ids=stop)
+        assert served.token_ids == [t for p in passes for t in p.tokens]

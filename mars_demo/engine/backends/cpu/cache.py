@@ -31,6 +31,8 @@ class CpuCache(KVCache):
     def __init__(self, layers: int) -> None:
         self.layers = layers
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the tensors the buffers are the first rows of: rows to spare for rows that join (``stack``)
+        self.bases: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.end = 0
         self.start = 0  # where the open pass writes
         self.native_memo: dict = {}  # the native layers' arrays of buffer addresses (native_layers.NativeLayers)
@@ -64,8 +66,10 @@ class CpuCache(KVCache):
                 empty = like.new_empty((*like.shape[:2], 0, like.shape[-1]))
                 self.buffers = [(_with_room(empty, end), _with_room(empty, end)) for _ in range(self.layers)]
             else:
-                self.buffers = [(_with_room(k[:, :, :start], end), _with_room(v[:, :, :start], end))
+                kind = like.dtype
+                self.buffers = [(_with_room(k[:, :, :start].to(kind), end), _with_room(v[:, :, :start].to(kind), end))
                                 for k, v in self.buffers]
+            self.bases = self.buffers
         self.start, self.end = start, end
         return start
 
@@ -83,7 +87,7 @@ class CpuCache(KVCache):
             return
         order = index.tolist()
         if not moves_in_place(order, self.buffers[0][0].shape[0]):
-            self.buffers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.buffers]
+            self.buffers = self.bases = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.buffers]
             return
         moves = [(to, source) for to, source in enumerate(order) if to != source]
         for k, v in self.buffers:
@@ -93,21 +97,51 @@ class CpuCache(KVCache):
         self.buffers = [(k[: len(order)], v[: len(order)]) for k, v in self.buffers]
 
     def stack(self, others: list[KVCache], width: int) -> None:
+        """Rows joining a running batch (continuous batching) go into rows its buffers keep spare, where the batch
+        is at least as long as they are; otherwise new buffers with rows to spare (none for a first stack)."""
         if not all(isinstance(other, CpuCache) for other in others):
             raise TypeError("a CpuCache stacks only other CpuCaches")
+        if self._stack_in_place(others, width):
+            return
         parts = [self, *others] if self.buffers else list(others)
-        self.buffers = [
-            tuple(_with_room(torch.cat([left_holes(part.buffers[layer][i][:, :, : part.end], width) for part in parts]),
-                             width) for i in (0, 1))
-            for layer in range(self.layers)
-        ]
+        rows = sum(part.buffers[0][0].shape[0] for part in parts)
+        spare = max(2, rows // 2) if self.buffers else 0
+
+        def joined(layer: int, i: int) -> torch.Tensor:
+            held = torch.cat([left_holes(part.buffers[layer][i][:, :, : part.end], width) for part in parts])
+            if spare:
+                held = torch.cat([held, held.new_zeros((spare, *held.shape[1:]))])
+            return _with_room(held, width)
+
+        self.bases = [(joined(layer, 0), joined(layer, 1)) for layer in range(self.layers)]
+        self.buffers = [(k[:rows], v[:rows]) for k, v in self.bases]
         self.end = width
+
+    def _stack_in_place(self, others: list[CpuCache], width: int) -> bool:
+        if not self.buffers or width != self.end or any(other.dtype != self.dtype for other in others):
+            return False
+        rows, joining = self.buffers[0][0].shape[0], sum(other.buffers[0][0].shape[0] for other in others)
+        if rows + joining > self.bases[0][0].shape[0] or self.bases[0][0].shape[2] != self.buffers[0][0].shape[2]:
+            return False
+        for layer, pair in enumerate(self.bases):
+            for i, base in enumerate(pair):
+                at = rows
+                for other in others:
+                    theirs = other.buffers[layer][i]
+                    n, holes = theirs.shape[0], width - other.end
+                    base[at : at + n, :, :holes].zero_()
+                    base[at : at + n, :, holes:width].copy_(theirs[:, :, : other.end])
+                    at += n
+        self.buffers = [(k[: rows + joining], v[: rows + joining]) for k, v in self.bases]
+        return True
 
     def drop_front(self, columns: int) -> None:
         """Views that start ``columns`` later: nothing is copied until the buffers next need room."""
         if columns > 0:
             self.end -= columns
-            self.buffers = [(k[:, :, columns:], v[:, :, columns:]) for k, v in self.buffers]
+            rows = self.buffers[0][0].shape[0]
+            self.bases = [(k[:, :, columns:], v[:, :, columns:]) for k, v in self.bases]
+            self.buffers = [(k[:rows], v[:rows]) for k, v in self.bases]
 
 
 def moves_in_place(order: list[int], rows: int) -> bool:

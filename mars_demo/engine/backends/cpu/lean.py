@@ -263,7 +263,8 @@ class LeanForward:
 
     def _native_pass(self, cache: CpuCache | None, x: torch.Tensor, cos, sin, mask: rowattn.Visible | None):
         batch, rows = x.shape[:2]
-        kind = torch.float16 if half_cache() else x.dtype  # what the cache keeps (native_layers.half_cache)
+        # what the cache keeps: fp16 where native_layers.half_cache(), unless it already holds columns of another kind
+        kind = (cache.dtype if cache is not None else None) or (torch.float16 if half_cache() else x.dtype)
         like = x.new_empty(batch, self.native.kv_heads, 0, self.native.dim, dtype=kind)
         if cache is not None:
             start, buffers, memo = cache.open(like, rows), cache.buffers, cache.native_memo
