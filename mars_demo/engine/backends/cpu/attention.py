@@ -69,8 +69,13 @@ def row_exact_attention(module, query, key, value, attention_mask, max_rows: int
     """SDPA in which each query row of a pass of up to ``max_rows`` attends alone, as in a one-token pass.
 
     On fp32 tensors it is the native kernel (rowattn.py) where that is built: all rows in one call per layer.
+    A pass with its own mask over a cache (exact mode's groups, candidate trees, a batch's decode passes)
+    attends row by row at any width up to ROW_EXACT_PREFILL_ROWS: a wide verifying pass (block size 8, a
+    tree) is longer than ROW_EXACT_ROWS, and its kept rows must be one-token passes' bit for bit.
     """
     batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)
+    if attention_mask is not None and key.shape[2] > q_len:  # a masked pass over a cache: verifying, a batch
+        max_rows = max(max_rows, ROW_EXACT_PREFILL_ROWS)  # its rows must equal one-token passes at any width
     if q_len > max_rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling")
