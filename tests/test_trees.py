@@ -8,12 +8,15 @@ four tokens) make the masks' candidates right often enough that branches other t
 
 from __future__ import annotations
 
+import json
 import re
+from contextlib import nullcontext
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from mars_demo.cli import main
 from mars_demo.engine.backends.cpu.cache import CpuCache
 from mars_demo.engine.backends.cpu.paths import convert, token_ids
 from mars_demo.engine.backends.hf import HFCache
@@ -367,3 +370,29 @@ def test_a_batch_refuses_trees(tiny_llama):
     with pytest.raises(ValueError, match="one sequence at a time"):
         stream_batch(tiny_llama.backend, tiny_llama.tokenizer, ids, DecodeConfig(mode="exact", tree="2,1"),
                      mask_id=3, block_size=4)
+
+
+def test_generate_tree_flag_prints_branches_and_shapes(model_dir, capsys):
+    def run(*flags):
+        argv = ["generate", "--model", model_dir, "--prompt", "Count.", "--max-new-tokens", "12", "--json", *flags]
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    ar, trees = run("--mode", "ar"), run("--mode", "exact", "--tree", "2,1")
+    assert trees["token_ids"] == ar["token_ids"]
+    assert all(len(s["branches"]) == len(s["tokens"]) and len(s["shape"]) <= 2 for s in trees["steps"][1:])
+    assert "branches" not in run("--mode", "exact", "--tree", "none")["steps"][-1]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--tree", "4"], "tree must be"), (["--tree", "2,x"], "tree must be"),
+     (["--tree", "auto", "--temperature", "0.7"], "greedy drafts only")],
+)
+def test_bad_tree_flags_are_one_line_and_exit_2(flags, message, capsys):
+    parse_error = "--temperature" not in flags  # argparse refuses a bad shape itself
+    with pytest.raises(SystemExit) if parse_error else nullcontext() as raised:
+        code = main(["generate", "--prompt", "hi", "--mode", "exact", *flags])
+    code = raised.value.code if parse_error else code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error:") and message in err
