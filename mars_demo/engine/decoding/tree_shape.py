@@ -91,7 +91,18 @@ class TreeShape:
         return sum(self.hits[depth][:branch]) / self.tried[depth]
 
     def cost(self, width: int) -> float:
-        return self.curve.cost(width) if self.curve else 1.0
+        """The curve's ms (DraftDepth.cost) up to its widest measured pass; past it, a tree is often wider than
+        anything measured (auto measures up to 2B), so the larger of the last step's and the whole curve's
+        mean slope prices the rest: one flat or noisy last step must not make wide trees look free."""
+        if not self.curve:
+            return 1.0
+        costs = self.curve.costs
+        widths = list(costs)
+        last, first = widths[-1], widths[0]
+        if width <= last or last == first:
+            return self.curve.cost(width)
+        mean = (costs[last] - costs[first]) / (last - first)
+        return max(self.curve.cost(width), costs[last] + max(mean, 0.0) * (width - last))
 
     def rate(self, shape: tuple[int, ...], fallback: bool) -> float:
         """Expected committed tokens per ms of passes of this shape, in the long run (DraftDepth.rate)."""
