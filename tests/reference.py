@@ -125,9 +125,10 @@ def reference_tree(
 ) -> tuple[list[int], list[int]]:
     """Greedy verification of candidate trees of a fixed ``shape`` (decoding/tree.py) without a cache or a 4-D mask.
 
-    Every root-to-leaf branch is its own plain causal forward (the sequence and the branch's drafts), the main
-    masks another (after the main path), the fallback masks another (after the sequence). Returns (generated
-    ids, tokens per pass).
+    Depth by depth, AR's token after the path held so far is a plain causal forward over the sequence and that
+    path; a depth holds when that token is among the depth's top b candidates. The main masks are another
+    forward (after the main path), the fallback masks another (after the sequence). Returns (generated ids,
+    tokens per pass).
     """
     L, exact_pass = block_size - 1, tau >= 1.0
     depth = len(shape[:L]) if exact_pass else L
