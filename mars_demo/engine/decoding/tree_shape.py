@@ -73,6 +73,7 @@ class TreeShape:
     def __init__(self, most: int, costs: dict[int, float] | None, fixed: tuple[int, ...] | None = None) -> None:
         self.most, self.fixed = most, fixed[:most] if fixed else None
         self.curve = DraftDepth(most, costs) if costs else None  # its cost(): the measured curve, extended
+        self.priced: dict[int, float] = {}  # cost() by width: the curve does not change during a run
         self.hits = [list(self.PRIOR) for _ in range(most)]
         self.tried = [self.PRIOR_TRIED] * most
         self.options = [(s, f) for s in auto_shapes(most) for f in ((True, False) if max(s) == 1 else (True,))]
@@ -90,12 +91,20 @@ class TreeShape:
         """P(AR's token is among the top ``branch`` candidates at ``depth`` (0-based) | the depth was reached)."""
         return sum(self.hits[depth][:branch]) / self.tried[depth]
 
+    def table(self) -> list[list[float]]:
+        return [[self.within(j, b) for b in range(1, MAX_BRANCH + 1)] for j in range(self.most)]
+
     def cost(self, width: int) -> float:
         """The curve's ms (DraftDepth.cost) up to its widest measured pass; past it, a tree is often wider than
         anything measured (auto measures up to 2B), so the larger of the last step's and the whole curve's
         mean slope prices the rest: one flat or noisy last step must not make wide trees look free."""
         if not self.curve:
             return 1.0
+        if width not in self.priced:
+            self.priced[width] = self._extended(width)
+        return self.priced[width]
+
+    def _extended(self, width: int) -> float:
         costs = self.curve.costs
         widths = list(costs)
         last, first = widths[-1], widths[0]
@@ -104,12 +113,16 @@ class TreeShape:
         mean = (costs[last] - costs[first]) / (last - first)
         return max(self.curve.cost(width), costs[last] + max(mean, 0.0) * (width - last))
 
-    def rate(self, shape: tuple[int, ...], fallback: bool) -> float:
-        """Expected committed tokens per ms of passes of this shape, in the long run (DraftDepth.rate)."""
+    def rate(self, shape: tuple[int, ...], fallback: bool, table: list[list[float]] | None = None) -> float:
+        """Expected committed tokens per ms of passes of this shape, in the long run (DraftDepth.rate).
+
+        ``table[j][b - 1]``: within(j, b), read once per layout for all the shapes it compares.
+        """
+        table = table or self.table()
         reach, main, expected = 1.0, 1.0, 1.0
         for j, b in enumerate(shape):
-            reach *= self.within(j, b)
-            main *= self.within(j, 1)
+            reach *= table[j][b - 1]
+            main *= table[j][0]
             expected += reach
         depth = len(shape)
         to_bare = 0.0 if fallback else 1.0 - main
@@ -120,9 +133,9 @@ class TreeShape:
         """(shape, fallback) for the next pass; () is a plain AR pass, where no draft pays on the curve."""
         if self.fixed or self.most < 1:
             return self.fixed or (), True
-        bare = 1.0 / self.cost(1)
-        shape, fallback = max(self.options, key=lambda option: self.rate(*option))
-        if self.curve and bare >= self.rate(shape, fallback):
+        bare, table = 1.0 / self.cost(1), self.table()
+        shape, fallback = max(self.options, key=lambda option: self.rate(*option, table))
+        if self.curve and bare >= self.rate(shape, fallback, table):
             (h, t), fade = (self.PRIOR, self.PRIOR_TRIED), DraftDepth.FADE
             self.hits = [[p + (n - p) * fade for p, n in zip(h, row)] for row in self.hits]
             self.tried = [t + (n - t) * fade for n in self.tried]
