@@ -68,7 +68,8 @@ def tree_value(text: str) -> str | None:
 def add_tree_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tree", type=tree_value, default=None, metavar="{none,auto,SHAPE}",
-        help="exact and hybrid modes, one sequence, greedy: verify a tree of the masks' candidates. none = a chain "
+        help="exact and hybrid modes, one sequence (at a temperature exact mode only): verify a tree of the masks' "
+        "candidates. none = a chain "
         "(default); auto = the shape by expected tokens per ms on the measured cost curve (a chain where width "
         "costs, as on most CPUs); SHAPE = candidates per depth, e.g. 2,1,1",
     )

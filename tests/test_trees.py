@@ -20,14 +20,16 @@ from mars_demo.cli import main
 from mars_demo.engine.backends.cpu.cache import CpuCache
 from mars_demo.engine.backends.cpu.paths import convert, token_ids
 from mars_demo.engine.backends.hf import HFCache
-from mars_demo.engine.decoding import exact, tree
+from mars_demo.engine.decoding import exact, tree, tree_sampled
 from mars_demo.engine.decoding.batch import stream_batch
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import LiveTau, collect, decode_passes, eos_ids, generate, stream, verifier_for
+from mars_demo.engine.decoding.sampling import Sampling
 from mars_demo.engine.decoding.speculative import Rule
 from mars_demo.engine.decoding.tree_shape import TreeShape, auto_shapes, nodes, parse_tree
 from tests.reference import reference_tree
+from tests.test_sampling import SIGNIFICANCE, TOP_K, TOP_P, ar_distribution, chi_square_p
 
 from conftest import PROMPTS, make_lm
 
@@ -364,8 +366,9 @@ def test_auto_shapes_and_parse():
     for bad in ("", "0", "4", "2,,1", "a", "2.0", "-1", ",".join(["3"] * 5), 3):
         with pytest.raises(ValueError, match="tree must be"):
             DecodeConfig(mode="exact", tree=bad)
-    with pytest.raises(ValueError, match="greedy drafts only"):
-        DecodeConfig(mode="exact", tree="auto", temperature=0.7)
+    with pytest.raises(ValueError, match="exact mode only"):
+        DecodeConfig(mode="hybrid", tree="auto", temperature=0.7)
+    assert DecodeConfig(mode="exact", tree="auto", temperature=0.7).tree == "auto"
     assert DecodeConfig(mode="mars", tree="2,1").tree == "2,1"  # not read outside exact and hybrid
 
 
@@ -391,7 +394,7 @@ def test_generate_tree_flag_prints_branches_and_shapes(model_dir, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [(["--tree", "4"], "tree must be"), (["--tree", "2,x"], "tree must be"),
-     (["--tree", "auto", "--temperature", "0.7"], "greedy drafts only")],
+     (["--tree", "auto", "--temperature", "0.7", "--mode", "hybrid"], "exact mode only")],
 )
 def test_bad_tree_flags_are_one_line_and_exit_2(flags, message, capsys):
     parse_error = "--temperature" not in flags  # argparse refuses a bad shape itself
@@ -400,3 +403,73 @@ def test_bad_tree_flags_are_one_line_and_exit_2(flags, message, capsys):
     code = raised.value.code if parse_error else code
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error:") and message in err
+
+
+# -- at a temperature: recursive rejection (tree_sampled.py) -------------------------------------------------
+
+
+def tree_runs(lm, ids, how, n: int, tokens: int, block_size: int, shape: str) -> tuple[list[tuple], list]:
+    """The first ``tokens`` tokens of ``n`` seeded exact-mode runs with trees, and all their passes."""
+    stop, outputs, every = eos_ids(lm.backend, lm.tokenizer), [], []
+    for seed in range(n):
+        config = DecodeConfig(mode="exact", temperature=how.temperature, top_p=how.top_p, top_k=how.top_k,
+                              max_new_tokens=tokens, seed=seed, max_fed=None, tree=shape)
+        passes = list(decode_passes(lm.backend, ids, config, window=block_size, mask_id=lm.meta.mask_token_id,
+                                    tau=LiveTau(1.0), stop_ids=stop))
+        outputs.append(tuple(t for p in passes for t in p.tokens))
+        every += passes
+    return outputs, every
+
+
+@pytest.fixture(scope="module")
+def sampling_lm():
+    return drafty(make_lm("llama"))
+
+
+@pytest.mark.parametrize("how", [TOP_K, TOP_P], ids=["top-k", "top-p"])
+@pytest.mark.parametrize("shape", ["2,1", "3"])
+def test_sampled_trees_sample_as_ar_sampling(sampling_lm, how, shape):
+    """The first three tokens of exact mode with trees against AR sampling's distribution, enumerated exactly
+    (test_sampling.py's chi-square test); candidates other than the top guess are kept, and rejections resampled."""
+    ids = prompt_ids(sampling_lm.tokenizer, PROMPTS[0])
+    samples, every = tree_runs(sampling_lm, ids, how, 800, 3, 3, shape)
+    assert chi_square_p(samples, ar_distribution(sampling_lm, ids, how, 3)) > SIGNIFICANCE
+    assert any(b > 0 for p in every for b in p.branches)
+    assert {o for p in every for o in p.origins} >= {exact.DRAFT, exact.RESAMPLED}
+
+
+def _walk_without_renormalising(children, p_at, uniforms):
+    """Child i kept with p(x_i), not p(x_i) / (what the rejected siblings left): later siblings come too rarely."""
+    path, row = [], 0
+    while children[row]:
+        kept = [node for node in children[row] if uniforms[node] < p_at[node]][:1]
+        if not kept:
+            return path, row
+        path.append(kept[0])
+        row = 1 + kept[0]
+    return path, row
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["the rule", "not renormalised"])
+def test_the_tree_rule_alone_gives_p(monkeypatch, broken):
+    """Hand-made logits over 6 tokens: three candidates at depth 1, one under each at depth 2. The first two
+    committed tokens must follow p at the root, then p at the node of the first (one token where it was drawn
+    from the root's residual). A walk that does not renormalise fails the same test."""
+    if broken:
+        monkeypatch.setattr(tree_sampled, "walk", _walk_without_renormalising)
+    t = tree.build([[0, 1, 2], [3]], (3, 1))  # rows: 0 the root, 1-3 nodes 0, 1, 2, 4-6 node 3 under each
+    logits = torch.randn(1 + 6 + 2 + 2, 6, generator=torch.Generator().manual_seed(5))
+    p = torch.softmax(logits, -1).double()
+    expected = {(x,): float(p[0, x]) for x in range(3, 6)}
+    expected |= {(x, y): float(p[0, x] * p[1 + x, y]) for x in range(3) for y in range(6)}
+    generator, how = torch.Generator().manual_seed(0), Sampling(temperature=1.0)
+    samples = [tuple(tree_sampled.verify_tree_sampled(logits, t, 2, how, generator, "probability", 3,
+                                                      tree.ranked_candidates)[0][:2]) for _ in range(6000)]
+    assert (chi_square_p(samples, expected) > SIGNIFICANCE) != broken
+
+
+def test_walk_by_hand():
+    children = [[0, 1], [2], [], []]  # the root's two children; node 0 has one child (node 2)
+    assert tree_sampled.walk(children, [0.5, 0.3, 0.9, 0.0], [0.6, 0.5, 0.1, 0.0]) == ([1], 2)  # 0.6 * 0.5 < 0.3
+    assert tree_sampled.walk(children, [0.5, 0.3, 0.9, 0.0], [0.6, 0.7, 0.1, 0.0]) == ([], 0)  # 0.7 * 0.5 >= 0.3
+    assert tree_sampled.walk(children, [0.5, 0.3, 0.9, 0.0], [0.4, 0.0, 0.1, 0.0]) == ([0, 2], 3)  # to a leaf

@@ -84,8 +84,7 @@ def parse_sampling(args: argparse.Namespace) -> tuple[Sampling, tuple[int, ...]]
     if not seeds:
         raise UserError("--seeds needs at least one seed")
     try:
-        tree = getattr(args, "tree", None)
-        return DecodeConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, tree=tree).sampling, seeds
+        return DecodeConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k).sampling, seeds
     except ValueError as err:
         raise UserError(str(err)) from None
 

@@ -58,8 +58,8 @@ class DecodeConfig:
     tree: exact and hybrid modes only (other modes do not read it): None verifies a chain of drafts (the
       masks' top guesses; exact.DraftDepth picks its depth), "auto" a tree of the masks' candidates whose
       shape is chosen before every pass by expected tokens per ms (tree_shape.TreeShape: a chain where
-      width costs), a shape "2,1,1" that tree always (b_d candidates per depth). Greedy only: a tree at a
-      temperature is refused. docs/METHOD.md, "Candidate trees".
+      width costs), a shape "2,1,1" that tree always (b_d candidates per depth). At a temperature, exact mode
+      only (recursive rejection; hybrid is refused). docs/METHOD.md, "Candidate trees".
     """
 
     mode: Mode = "mars"
@@ -93,10 +93,8 @@ class DecodeConfig:
         ):
             raise ValueError(f"max fed must be 'auto', None or an integer of at least 2, got {self.max_fed!r}")
         parse_tree(self.tree)
-        if self.tree is not None and self.temperature > 0:
-            raise ValueError(
-                "candidate trees verify greedy drafts only: use tree None (a chain) at a temperature above 0"
-            )
+        if self.tree is not None and self.temperature > 0 and self.mode == "hybrid":
+            raise ValueError("candidate trees at a temperature: exact mode only (hybrid verifies chains there)")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a tuple of non-empty strings")
 

@@ -297,7 +297,7 @@ def verifier_for(backend: Backend, config: DecodeConfig, window: int, mask_id: i
     if shape is None:
         return ChainRun(exact.DraftDepth(window - 1, costs), window, mask_id, rule)
     fixed = None if shape == "auto" else shape
-    return tree.TreeRun(TreeShape(window - 1, costs, fixed), window, mask_id)
+    return tree.TreeRun(TreeShape(window - 1, costs, fixed), window, mask_id, rule)
 
 
 class Detokenizer:

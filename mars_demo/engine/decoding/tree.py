@@ -14,7 +14,8 @@ its parent held and it is AR's token there); the held nodes form one root-to-lea
 distinct tokens). Its tokens are committed with AR's token after its end; its keys and values are
 compacted into place (KVCache.compact), everything else is dropped. The next drafts come from the main
 masks when the whole main path held, otherwise from the fallback masks past the committed tokens, as
-in the chain (exact.verify). Greedy only: trees at a temperature are refused (config.py).
+in the chain (exact.verify). At a temperature (exact mode) the nodes are checked by recursive rejection
+instead (tree_sampled.py): each committed token is distributed as AR sampling's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from ..backends.base import Backend, KVCache
 from . import exact
 from .acceptance import accept_count, greedy_confidence
 from .exact import AR, DRAFT, MASK, Fed, Verdict
+from .sampling import Sampling
+from .speculative import Rule
+from .tree_sampled import verify_tree_sampled
 from .tree_shape import MAX_BRANCH, TreeShape
 
 NOT_A_NODE = -1  # Verdict.branches of a token that is no tree node (AR's token, a mask accepted on confidence)
@@ -125,10 +129,14 @@ def _read(logits: torch.Tensor, tree: Tree, lookahead: int, tau: float, metric: 
     keep = tokens.shape[0]
     tok, cf = [int(t) for t in packed[:keep]], packed[keep : 2 * keep]
     flat = [int(t) for t in packed[2 * keep : -2]]
-    # each mask's candidates, most likely first: its argmax (the chain's draft, ties as argmax takes them) first
-    ranked = [[tok[1 + N + m]] + [t for t in flat[m * branch : (m + 1) * branch] if t != tok[1 + N + m]][: branch - 1]
-              for m in range(keep - 1 - N)]
-    return tok, cf, ranked, int(packed[-2]), int(packed[-1])
+    return tok, cf, ranked_candidates(tok[1 + N :], flat, branch), int(packed[-2]), int(packed[-1])
+
+
+def ranked_candidates(greedy: list[int], flat: list[int], branch: int) -> list[list[int]]:
+    """Each mask's candidates, most likely first, from its argmax and its top ``branch`` (flat, row by row):
+    the argmax (the chain's draft, ties as argmax takes them) first."""
+    rows = [flat[m * branch : (m + 1) * branch] for m in range(len(greedy))]
+    return [[g] + [t for t in row if t != g][: branch - 1] for g, row in zip(greedy, rows)]
 
 
 def verify_tree(
@@ -170,13 +178,28 @@ def verify_tree(
     )
 
 
+def verify_sampled(
+    logits: torch.Tensor, tree: Tree, lookahead: int, sampling: Sampling, generator, metric: str, branch: int
+) -> TreeVerdict:
+    """verify_tree at a temperature (exact mode): recursive rejection of the candidates (tree_sampled.py)."""
+    out, conf, origins, branches, path, ranked = verify_tree_sampled(
+        logits, tree, lookahead, sampling, generator, metric, branch, ranked_candidates
+    )
+    L, a = lookahead, len(path)
+    chosen = ranked[:L] if path == tree.main else ranked[L + a :]  # as verify_tree's, every group read at tau 1
+    return TreeVerdict(out, conf, origins, a, [r[0] for r in chosen], None, branches + [NOT_A_NODE], path, chosen,
+                       out[: tree.depth])
+
+
 @dataclass
 class TreeRun:
-    """One run's trees: the candidates for the next pass and the shape chooser (tree_shape.TreeShape)."""
+    """One run's trees: the candidates for the next pass, the shape chooser (tree_shape.TreeShape) and, at a
+    temperature, what the rule draws with (speculative.Rule: the settings and the run's generator)."""
 
     shapes: TreeShape
     window: int  # B
     mask_id: int
+    rule: Rule | None = None
     candidates: list[list[int]] = field(default_factory=list)
 
     @property
@@ -209,7 +232,13 @@ class TreeRun:
         cached = cache.get_seq_length()
         fed = tree_window(pending, tree, lookahead, self.mask_id, cached, backend.dtype, backend.device, fallback)
         logits = backend.forward(fed.ids, cache, positions=fed.position_ids, mask=fed.attention_mask, keep=fed.keep)
-        verdict = verify_tree(logits[0], tree, lookahead, tau, metric, self.branch)
+        if self.rule is None or self.rule.sampling.greedy:
+            verdict = verify_tree(logits[0], tree, lookahead, tau, metric, self.branch)
+        elif exact_pass:
+            generator = self.rule.generator.on(logits.device)
+            verdict = verify_sampled(logits[0], tree, lookahead, self.rule.sampling, generator, metric, self.branch)
+        else:
+            raise ValueError("candidate trees at a temperature: exact mode only (hybrid verifies chains there)")
         start = cached + len(pending)
         cache.compact(start, [start + i for i in verdict.path])
         self.shapes.observe(candidates, verdict.truth)
