@@ -77,10 +77,11 @@ whose confidence clears **tau**, the **AR baseline** takes one token per pass. P
 so the race is fair; each clock counts only its own passes. Drag **tau** while a run is going: the next pass uses it.
 """
 
-SWEEP_INTRO = """Each chosen prompt is decoded by the AR baseline and by MARS at every chosen tau, plus tau = 1.0
-(one token per pass), the reference for **agreement** (common prefix of the token ids over the longer output,
-1.0 = identical output; the same measure as `eval` and `bench`).
-Model, block size, metric and temperature come from the sidebar."""
+SWEEP_INTRO = """Each chosen prompt is decoded by the AR baseline, by **exact mode** and by MARS at every chosen tau,
+plus tau = 1.0 (one token per pass), the reference for **agreement** (common prefix of the token ids over the longer
+output, 1.0 = identical output; the same measure as `eval` and `bench`). Exact mode is its own point (**exact** in
+the table, a diamond on the chart), whatever the sidebar's decoding mode: its agreement is measured against the AR
+baseline's output, which it reproduces. Model, block size, metric and temperature come from the sidebar."""
 
 
 def _slider(name: str, label: str, value, info: str | None = None, top: float | None = None, **kwargs) -> gr.Slider:
@@ -144,8 +145,9 @@ def _sidebar(policy: ModelPolicy, gpu: bool, limits: Limits) -> dict:
             [("MARS (confidence)", "mars"), ("Exact (verified)", "exact"), ("Hybrid", "hybrid")], value="mars",
             label="Decoding", elem_id="mode",
             info="Exact: the masks' guesses are drafts the next pass verifies, so the text is the AR "
-            "baseline's (sampled: distributed as AR sampling's), in fewer passes. Hybrid: confident guesses "
-            "accepted, the rest verified.",
+            "baseline's (sampled: distributed as AR sampling's), in fewer passes: token for token on the "
+            "bf16, int8 and int8dyn paths; on fp32 and GPUs, whose wide passes round otherwise, up to near ties. "
+            "Hybrid: confident guesses accepted, the rest verified.",
         )
         c["tau"] = _slider(
             "tau", "tau", DEFAULTS.tau,

@@ -243,8 +243,8 @@ MAX_NEW_TOKENS = _declare(
     hosted=512)
 SWEEP_RUNS = _declare(
     "MARS_DEMO_SWEEP_RUNS", whole(1, 10_000), 120,
-    "runs one sweep may plan (per prompt: AR, tau 1.0 and each tau; the default 4 prompts x 5 taus is 28)",
-    "limits", hosted=28)
+    "runs one sweep may plan (per prompt: AR, exact mode, tau 1.0 and each tau; the default 4 prompts x 5 taus is "
+    "32)", "limits", hosted=32)
 SWEEP_TOKENS = _declare("MARS_DEMO_SWEEP_TOKENS", whole(1, 2048), 2048, "a sweep run's max new tokens", "limits",
                         hosted=128)
 PATHS = _declare(
@@ -337,6 +337,10 @@ LEAN = _declare("MARS_DEMO_LEAN", SWITCH, True, "the engine's own forward; off: 
 DECODER = _declare(
     "MARS_DEMO_DECODER", SWITCH, True,
     "int8dyn's native decoder (a layer in one call); off: the torch layers around the kernels", "engine")
+HALF_CACHE = _declare(
+    "MARS_DEMO_HALF_CACHE", SWITCH, True,
+    "int8dyn's native decoder keeps keys and values as fp16 (llama.cpp's default): half the bytes each pass reads; "
+    "off: fp32", "engine")
 ROWATTN = _declare(
     "MARS_DEMO_ROWATTN", SWITCH, True, "the native attention of a padded batch; off: SDPA row by row", "engine")
 INT8GEMM = _declare("MARS_DEMO_INT8GEMM", SWITCH, True, "the native int8 GEMM; off: fbgemm", "engine")

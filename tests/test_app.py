@@ -21,6 +21,7 @@ from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
 from mars_demo.ui.outputs import MODEL_OUTPUTS, RACE_OUTPUTS, SWEEP_OUTPUTS, named
 from mars_demo.ui.race import VIEW_EVERY, LaneCadence, RaceTrace, Session, interleave
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
+from mars_demo.ui.sweep import SWEEP_COLUMNS
 
 from conftest import tiny_loader
 
@@ -277,13 +278,17 @@ def test_sweep_handler_yields_the_frontier(handlers):
     every = [named(SWEEP_OUTPUTS, o)
              for o in handlers.sweep([PROMPT, "Count: one, two"], [0.5], 10, BUNDLED, 4, "probability", 0.0)]
     outputs = [o for o in every if not all(is_skip(v) for v in o.values())]  # the rest: one per pass, nothing drawn
-    assert len(outputs) == 6 and len(every) > 6  # one update per run (AR, tau 1.0, tau 0.5 for each prompt)
-    assert [is_skip(o["sweep_plot"]) for o in outputs] == [True, True, False] * 2  # the frontier once a prompt is done
+    assert len(outputs) == 8 and len(every) > 8  # one update per run (AR, exact, tau 1.0, tau 0.5 for each prompt)
+    assert [is_skip(o["sweep_plot"]) for o in outputs] == [True] * 3 + [False] + [True] * 3 + [False]  # per prompt
     status, fig, table = (outputs[-1][name] for name in SWEEP_OUTPUTS)
-    assert "Sweep finished: 2 of 2 prompts, 6 of 6 runs" in status
-    assert [row[0] for row in table] == [1.0, 0.5]
-    assert table[0][5] == 1.0  # tau = 1.0 agrees with itself
-    assert len(fig.data) == 2
+    assert "Sweep finished: 2 of 2 prompts, 8 of 8 runs" in status
+    assert [row[0] for row in table] == ["exact", 1.0, 0.5]  # exact mode's row, whatever the sidebar's mode
+    assert table[0][1] == 2 and table[0][5] == 1.0  # exact mode's output is AR's, measured on both prompts
+    assert table[1][5] == 1.0  # tau = 1.0 agrees with itself
+    assert [t.name for t in fig.data] == ["MARS", "exact"] * 2
+    assert list(fig.data[1].text) == ["exact"] and list(fig.data[1].x) == [1.0]
+    rendered = gr.Dataframe(headers=SWEEP_COLUMNS).postprocess(table)  # the table as the browser gets it
+    assert rendered.data[0][0] == "exact" and rendered.headers == SWEEP_COLUMNS
     with pytest.raises(gr.Error, match="at least one prompt"):
         next(handlers.sweep([], [0.5], 10, BUNDLED, 4, "probability", 0.0))
 

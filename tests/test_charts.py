@@ -11,7 +11,7 @@ from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import RunStats, StepEvent
 from mars_demo.engine.decoding.metrics import REFERENCE_TAU, Rates, speedup
 from mars_demo.ui import charts
-from mars_demo.ui.sweep import FrontierPoint, SweepRun, frontier, plan, sweep_runs
+from mars_demo.ui.sweep import FrontierPoint, SweepRun, frontier, plan, sweep_runs, sweep_table
 
 
 def steps(counts: list[int], taus: list[float] | None = None, seconds: float = 0.1) -> list[StepEvent]:
@@ -98,10 +98,11 @@ def test_summary_table_values():
     assert charts.agreement_text(steps([2]), None) == "—"
 
 
-def test_plan_always_includes_the_reference_and_ar():
+def test_plan_always_includes_the_reference_ar_and_exact_mode():
     runs = plan(["a", "b"], [0.5, 0.9, 0.9])
-    assert runs[:4] == [("a", "ar", None), ("a", "mars", 1.0), ("a", "mars", 0.9), ("a", "mars", 0.5)]
-    assert len(runs) == 8
+    assert runs[:5] == [("a", "ar", None), ("a", "exact", None), ("a", "mars", 1.0), ("a", "mars", 0.9),
+                        ("a", "mars", 0.5)]
+    assert len(runs) == 10
     for bad in (([], [0.5]), (["a"], []), (["a"], [1.5]), (["  "], [0.5])):
         with pytest.raises(ValueError):
             plan(*bad)
@@ -121,7 +122,7 @@ def test_frontier_pools_rates_and_measures_agreement():
         run("b", "mars", 0.5, [5, 6], 1, 0.1),
     ]
     ref, low = frontier(runs)
-    assert (ref.tau, low.tau) == (REFERENCE_TAU, 0.5)
+    assert (ref.tau, low.tau) == (REFERENCE_TAU, 0.5) and (ref.mode, low.mode) == ("mars", "mars")
     assert ref.agreement == 1.0 and ref.exact == 1.0
     assert ref.tokens_per_forward == 1.0 and ref.speedup == pytest.approx(1.0)
     assert low.prompts == 2
@@ -134,6 +135,24 @@ def test_frontier_pools_rates_and_measures_agreement():
     assert frontier(runs[:1]) == []
 
 
+def test_exact_modes_point_measures_its_agreement_with_the_ar_output():
+    runs = [
+        run("a", "ar", None, [1, 2, 3, 4], 4, 0.4),
+        run("a", "exact", None, [1, 2, 3, 4], 2, 0.25),
+        run("a", "mars", 1.0, [1, 2, 3, 4], 4, 0.4),
+        run("b", "ar", None, [5, 6, 7, 8], 4, 0.4),
+        run("b", "exact", None, [5, 6, 9], 2, 0.15),  # not AR's output: the point says so, nothing is assumed
+        run("b", "mars", 1.0, [5, 6, 7, 8], 4, 0.4),
+    ]
+    exact, ref = frontier(runs)
+    assert (exact.mode, exact.tau, exact.label, ref.label) == ("exact", None, "exact", "1")
+    assert exact.prompts == 2 and exact.tokens_per_forward == pytest.approx(7 / 4)
+    assert exact.speedup == pytest.approx((7 / 0.4) / (8 / 0.8))
+    assert exact.agreement == pytest.approx((1.0 + 0.5) / 2) and exact.exact == 0.5
+    assert frontier(runs[1:3])[0].mode == "mars"  # exact mode's point waits for its AR run
+    assert sweep_table(frontier(runs))[0][0] == "exact" and sweep_table(frontier(runs))[1][0] == 1.0
+
+
 def test_frontier_figure():
     points = [FrontierPoint(1.0, 2, 1.0, 10.0, 1.0, 1.0, 1.0), FrontierPoint(0.5, 2, 2.0, 18.0, 1.8, 0.8, 0.5)]
     fig = charts.frontier(points)
@@ -141,16 +160,25 @@ def test_frontier_figure():
     assert list(left.x) == [1.0, 0.8] and list(left.y) == [1.0, 2.0]
     assert list(right.y) == [1.0, 1.8]
     assert list(left.text) == ["τ=1", "τ=0.5"]
+    exact = FrontierPoint(None, 2, 1.6, 13.0, 1.3, 1.0, 1.0, mode="exact")
+    fig = charts.frontier([exact, *points])
+    assert [t.name for t in fig.data] == ["MARS", "exact"] * 2  # exact mode: a point of its own on each chart
+    left, left_exact, right, right_exact = fig.data
+    assert list(left.text) == ["τ=1", "τ=0.5"] and list(left_exact.text) == ["exact"]
+    assert list(left_exact.x) == [1.0] and list(left_exact.y) == [1.6] and list(right_exact.y) == [1.3]
 
 
 def test_sweep_runs_on_a_tiny_model(tiny_qwen):
     config = DecodeConfig(max_new_tokens=12)
     runs = list(sweep_runs(tiny_qwen, ["Explain why the sky is blue."], [0.0], config))
-    assert [(r.mode, r.tau) for r in runs] == [("ar", None), ("mars", 1.0), ("mars", 0.0)]
-    ar, ref, fast = runs
-    assert ar.token_ids == ref.token_ids  # tau = 1.0 is plain greedy decoding
+    assert [(r.mode, r.tau) for r in runs] == [("ar", None), ("exact", None), ("mars", 1.0), ("mars", 0.0)]
+    ar, exact, ref, fast = runs
+    assert ar.token_ids == ref.token_ids == exact.token_ids  # tau = 1.0 and exact mode are greedy AR's output
     assert ref.forward_passes == ref.tokens
+    assert exact.forward_passes <= exact.tokens
     assert fast.forward_passes < fast.tokens  # tau = 0 accepts the whole block
     points = frontier(runs)
-    assert points[0].agreement == 1.0 and points[0].tokens_per_forward == 1.0
-    assert points[1].tokens_per_forward > 1.0
+    assert [p.label for p in points] == ["exact", "1", "0"]
+    assert points[0].agreement == 1.0 and points[0].exact == 1.0 and points[0].speedup is not None
+    assert points[1].agreement == 1.0 and points[1].tokens_per_forward == 1.0
+    assert points[2].tokens_per_forward > 1.0

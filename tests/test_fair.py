@@ -228,7 +228,7 @@ def test_the_budget_ends_a_sweep_with_the_runs_done(tiny_qwen, tmp_path, monkeyp
     with pytest.warns(UserWarning, match="This sweep reached"):
         views = [named(SWEEP_OUTPUTS, v) for v in sweep(handlers, tokens=8) if is_view(v)]
     status = views[-1]["sweep_status"]
-    assert "Time limit reached" in status and "of 6 runs" in status and "6 of 6" not in status
+    assert "Time limit reached" in status and "of 8 runs" in status and "8 of 8" not in status
     assert handlers.slot.running() == 0
 
 
@@ -261,7 +261,7 @@ def test_the_hosted_app(tiny_qwen, tmp_path, monkeypatch):
     handlers = demo.handlers
     with pytest.raises(gr.Error, match="Max new tokens must be a whole number from 1 to 512"):
         next(race(handlers, Session(), max_new_tokens=2048))
-    with pytest.raises(gr.Error, match="at most 28 per sweep"):
+    with pytest.raises(gr.Error, match="at most 32 per sweep"):
         next(handlers.sweep(list(EXAMPLE_PROMPTS[:4]), [0.9, 0.8, 0.7, 0.6, 0.5, 0.3], 8, BUNDLED, 4,
                             "probability", 0.0))
 

@@ -188,7 +188,7 @@ def test_the_key_value_buffer_grows_crops_and_survives_rows_selected_stacked_and
         width = caches[0].get_seq_length()
         holes = width - prompt.shape[1]
         for cache, other in zip(caches, joining):
-            cache.stack(other, width)
+            cache.stack([other], width)
         assert caches[0].get_seq_length() == width and same_cache(*caches)
         mask = torch.ones(3, width + 1, dtype=torch.long)
         mask[2, :holes] = 0

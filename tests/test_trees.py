@@ -174,7 +174,7 @@ def test_kept_keys_and_values_are_a_one_token_pass_s(arch, path):
 
 def check_kept_columns(lm, path: str) -> None:
     runs = [(p, "3,2,1", 4) for p in PROMPTS] + [(PROMPTS[0], "1,1,1,1,1,1,1", 8), (PROMPTS[1], "2,2,2,2", 8)]
-    for prompt, shape, block_size in runs:  # block size 8: passes wider than ROW_EXACT_ROWS (attention.py)
+    for prompt, shape, block_size in runs:  # block size 8: passes of 20 rows and more
         for _, cache, history, pending, verdict in run_trees(lm, prompt, shape, block_size=block_size):
             committed = len(history) - len(pending)
             assert cache.get_seq_length() == committed

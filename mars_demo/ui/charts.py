@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 MARS_COLOR = "#4f46e5"
 AR_COLOR = "#94a3b8"
 TAU_COLOR = "#dc2626"
+EXACT_COLOR = "#0d9488"  # the sweep's exact-mode point
 # Neighbouring passes alternate between these; the MARS text pane uses the same three.
 PASS_COLORS = ("#6366f1", "#0d9488", "#d97706")
 HEIGHT = 300
@@ -197,29 +198,39 @@ def summary_table(
 
 
 def frontier(points: Sequence[FrontierPoint]) -> go.Figure:
-    """The sweep's speed/quality frontier: tokens/forward and speedup against agreement with tau = 1.0."""
+    """The sweep's speed/quality frontier: tokens/forward and speedup against agreement with the reference.
+
+    The tau points are one dotted line (agreement with the tau = 1.0 output); exact mode is a point of its
+    own (a diamond; agreement with the AR baseline's output). Every label is made here from numbers.
+    """
     fig = make_subplots(
         rows=1, cols=2, horizontal_spacing=0.12,
         subplot_titles=("tokens per forward pass", "measured speedup over AR"),
     )
-    ordered = sorted(points, key=lambda p: p.tau, reverse=True)
-    labels = [f"τ={p.tau:g}" for p in ordered]
-    agreement = [p.agreement for p in ordered]
-    for col, values, name in (
-        (1, [p.tokens_per_forward for p in ordered], "tokens / forward"),
-        (2, [p.speedup for p in ordered], "speedup"),
-    ):
+    taus = sorted((p for p in points if p.mode != "exact"), key=lambda p: p.tau, reverse=True)
+    exact = [p for p in points if p.mode == "exact"]
+    for col, value in ((1, lambda p: p.tokens_per_forward), (2, lambda p: p.speedup)):
         fig.add_trace(
             go.Scatter(
-                x=agreement, y=values, text=labels, name=name, mode="lines+markers+text",
-                textposition=["top center", "bottom center"] * len(ordered), marker={"size": 10, "color": MARS_COLOR},
-                line={"color": MARS_COLOR, "width": 1.5, "dash": "dot"}, showlegend=False,
-                hovertemplate="%{text}: %{y:.2f} at agreement %{x:.3f}<extra></extra>",
+                x=[p.agreement for p in taus], y=[value(p) for p in taus], text=[f"τ={p.label}" for p in taus],
+                name="MARS", mode="lines+markers+text", textposition=["top center", "bottom center"] * len(taus),
+                marker={"size": 10, "color": MARS_COLOR}, line={"color": MARS_COLOR, "width": 1.5, "dash": "dot"},
+                showlegend=False, hovertemplate="%{text}: %{y:.2f} at agreement %{x:.3f}<extra></extra>",
             ),
             row=1, col=col,
         )
+        if exact:
+            fig.add_trace(
+                go.Scatter(
+                    x=[p.agreement for p in exact], y=[value(p) for p in exact], text=["exact"] * len(exact),
+                    name="exact", mode="markers+text", textposition="middle left",
+                    marker={"size": 13, "color": EXACT_COLOR, "symbol": "diamond"}, showlegend=False,
+                    hovertemplate="exact mode: %{y:.2f} at agreement %{x:.3f} with the AR output<extra></extra>",
+                ),
+                row=1, col=col,
+            )
     fig.add_hline(y=1.0, line={"color": AR_COLOR, "dash": "dash"}, row=1, col=2)
-    fig.update_xaxes(title_text="agreement with the tau = 1.0 output", range=[-0.02, 1.05])
+    fig.update_xaxes(title_text="agreement with the tau = 1.0 output (exact: with AR's)", range=[-0.02, 1.08])
     fig.update_yaxes(rangemode="tozero")
     fig = _style(fig, "Speed / quality frontier", height=400)
     fig.update_layout(margin={"t": 72})

@@ -60,7 +60,7 @@ class Limits:
     hosted: bool = False
     run_seconds: float = settings.RUN_SECONDS.default  # wall-clock budget of one run (race, sweep, serving, live)
     max_new_tokens: int = settings.MAX_NEW_TOKENS.default  # a race's max new tokens
-    sweep_runs: int = settings.SWEEP_RUNS.default  # runs one sweep may plan (per prompt: AR, tau 1.0 and each tau)
+    sweep_runs: int = settings.SWEEP_RUNS.default  # runs one sweep may plan (per prompt: AR, exact, tau 1.0, each tau)
     sweep_tokens: int = settings.SWEEP_TOKENS.default  # a sweep run's max new tokens
     paths: str = settings.PATHS.default  # "shared": only the path the shared model is on; "any": every path
     session_jobs: int = settings.SESSION_JOBS.default  # decoding jobs a session may have queued or running (0: any)

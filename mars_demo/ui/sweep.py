@@ -3,6 +3,9 @@
 Quality is agreement with the tau = 1.0 output of the same prompt (one token per
 pass, docs/METHOD.md "Decoding"): the common prefix of the two token-id sequences over
 the longer one, the same measure as ``eval`` and ``bench`` report.
+Exact mode (docs/METHOD.md, "Exact and hybrid modes") is a point of its own beside the tau
+points: its agreement is measured against the AR baseline's own output of the same prompt on
+the same path, the output it promises (greedy: 1.0 where the path is row-exact), never assumed.
 Speed is tokens per forward pass, and tokens per second over the AR baseline on
 the same weights, each clock counting only its own passes; rates are pooled over
 the prompts (total tokens / total seconds), not averaged per prompt.
@@ -22,12 +25,13 @@ from ..engine.decoding.loop import Generation, StepEvent, generate
 from ..engine.decoding.metrics import REFERENCE_TAU, Rates, agreement, exact_match, speedup
 from ..engine.model import LoadedModel
 
+EXACT = "exact"  # the exact-mode run's mode, and its point's label in the table and the chart
 SWEEP_COLUMNS = ["tau", "prompts", "tokens / forward", "tokens / s", "speedup over AR", "agreement", "exact match"]
 
 
 @dataclass(frozen=True)
 class SweepRun:
-    """One prompt decoded once: by MARS at ``tau``, or by the AR baseline (tau None)."""
+    """One prompt decoded once: by MARS at ``tau``, or by the AR baseline or exact mode (tau None)."""
 
     prompt: str
     mode: str
@@ -48,21 +52,28 @@ class SweepRun:
 
 @dataclass(frozen=True)
 class FrontierPoint:
-    """One tau, pooled over the prompts that have both this run and the reference."""
+    """One tau (or exact mode), pooled over the prompts that have both this run and its reference."""
 
-    tau: float
+    tau: float | None  # None: exact mode
     prompts: int
     tokens_per_forward: float
     tokens_per_second: float
     speedup: float | None  # over AR tokens/s on the same prompts; None without AR runs
-    agreement: float  # mean over prompts of agreement with the tau = 1.0 output
-    exact: float  # fraction of prompts whose output equals the tau = 1.0 output
+    agreement: float  # mean over prompts of agreement with the reference: tau = 1.0's output (exact mode: AR's)
+    exact: float  # fraction of prompts whose output equals the reference output
+    mode: str = "mars"  # "mars" (a tau point) or EXACT
+
+    @property
+    def label(self) -> str:
+        """"exact", or the tau as the table and the chart show it."""
+        return EXACT if self.mode == EXACT else f"{self.tau:g}"
 
 
 def plan(prompts: Sequence[str], taus: Sequence[float]) -> list[tuple[str, str, float | None]]:
-    """(prompt, mode, tau) of every run: per prompt the AR baseline, then MARS from high tau to low.
+    """(prompt, mode, tau) of every run: per prompt the AR baseline, exact mode, then MARS from high tau to low.
 
-    tau = 1.0 is always included: it is the reference the agreement is measured against.
+    tau = 1.0 is always included: it is the reference the tau points' agreement is measured against. Exact
+    mode is always included, whatever mode the sidebar has: it is the frontier's lossless point.
     """
     if not prompts:
         raise ValueError("choose at least one prompt for the sweep")
@@ -71,7 +82,7 @@ def plan(prompts: Sequence[str], taus: Sequence[float]) -> list[tuple[str, str, 
     if not taus:
         raise ValueError("choose at least one tau for the sweep")
     levels = sorted({check_tau(float(t)) for t in taus} | {REFERENCE_TAU}, reverse=True)
-    return [run for p in prompts for run in [(p, "ar", None)] + [(p, "mars", t) for t in levels]]
+    return [run for p in prompts for run in [(p, "ar", None), (p, EXACT, None)] + [(p, "mars", t) for t in levels]]
 
 
 def sweep_passes(
@@ -104,29 +115,40 @@ def sweep_runs(
 
 
 def frontier(runs: Sequence[SweepRun]) -> list[FrontierPoint]:
-    """One point per tau (highest first), from whatever runs have finished so far (decoding.metrics definitions)."""
+    """Exact mode's point, then one point per tau (highest first), from whatever runs have finished so far
+    (decoding.metrics definitions). A point pools the prompts that have its reference: the tau = 1.0 run for
+    a tau, the AR baseline's run for exact mode."""
     reference = {r.prompt: r for r in runs if r.mode == "mars" and r.tau == REFERENCE_TAU}
     baseline = {r.prompt: r for r in runs if r.mode == "ar"}
-    points = []
+    exact = _point([r for r in runs if r.mode == EXACT], baseline, baseline, None, EXACT)
+    points = [] if exact is None else [exact]
     for tau in sorted({r.tau for r in runs if r.mode == "mars"}, reverse=True):
-        mine = [r for r in runs if r.mode == "mars" and r.tau == tau and r.prompt in reference]
-        if not mine:
-            continue
-        outputs, references = [r.token_ids for r in mine], [reference[r.prompt].token_ids for r in mine]
-        ar_runs = [baseline[r.prompt] for r in mine if r.prompt in baseline]
-        rates = Rates.pool(r.rates for r in mine)
-        points.append(
-            FrontierPoint(
-                tau=tau,
-                prompts=len(mine),
-                tokens_per_forward=rates.tokens_per_forward,
-                tokens_per_second=rates.tokens_per_second,
-                speedup=speedup(rates, Rates.pool(r.rates for r in ar_runs)) if len(ar_runs) == len(mine) else None,
-                agreement=agreement(outputs, references),
-                exact=exact_match(outputs, references),
-            )
-        )
+        point = _point([r for r in runs if r.mode == "mars" and r.tau == tau], reference, baseline, tau, "mars")
+        if point is not None:
+            points.append(point)
     return points
+
+
+def _point(
+    runs: list[SweepRun], reference: dict[str, SweepRun], baseline: dict[str, SweepRun], tau: float | None, mode: str
+) -> FrontierPoint | None:
+    """``runs``' point: their rates pooled, agreement with ``reference``'s run of each prompt (None without one)."""
+    mine = [r for r in runs if r.prompt in reference]
+    if not mine:
+        return None
+    outputs, references = [r.token_ids for r in mine], [reference[r.prompt].token_ids for r in mine]
+    ar_runs = [baseline[r.prompt] for r in mine if r.prompt in baseline]
+    rates = Rates.pool(r.rates for r in mine)
+    return FrontierPoint(
+        tau=tau,
+        prompts=len(mine),
+        tokens_per_forward=rates.tokens_per_forward,
+        tokens_per_second=rates.tokens_per_second,
+        speedup=speedup(rates, Rates.pool(r.rates for r in ar_runs)) if len(ar_runs) == len(mine) else None,
+        agreement=agreement(outputs, references),
+        exact=exact_match(outputs, references),
+        mode=mode,
+    )
 
 
 def sweep_choices(prompts, taus) -> tuple[list[str], list[float]]:
@@ -143,13 +165,14 @@ def sweep_desc(planned: list, i: int, prompts: list[str]) -> str:
         return "done"
     prompt, mode, tau = planned[i]
     which = f"prompt {prompts.index(prompt) + 1}/{len(prompts)}"
-    return f"{which}: {'AR baseline' if mode == 'ar' else f'MARS tau {tau:g}'}"
+    return f"{which}: {'AR baseline' if mode == 'ar' else 'exact mode' if mode == EXACT else f'MARS tau {tau:g}'}"
 
 
 def sweep_table(points) -> list[list]:
     return [
         [
-            p.tau, p.prompts, round(p.tokens_per_forward, 3), round(p.tokens_per_second, 1),
+            p.label if p.mode == EXACT else p.tau, p.prompts,
+            round(p.tokens_per_forward, 3), round(p.tokens_per_second, 1),
             None if p.speedup is None else round(p.speedup, 3), round(p.agreement, 3), round(p.exact, 3),
         ]
         for p in points

@@ -47,8 +47,9 @@ class KVCache(ABC):
         """Keep only the rows ``index`` (a long tensor), in that order."""
 
     @abstractmethod
-    def stack(self, other: KVCache, width: int) -> None:
-        """Append ``other``'s rows below ours, both padded on the left to ``width`` columns (zeros: holes)."""
+    def stack(self, others: list[KVCache], width: int) -> None:
+        """Append the rows of ``others`` below ours, in order, all padded on the left to ``width`` columns (zeros:
+        holes); an empty cache takes theirs."""
 
     @abstractmethod
     def drop_front(self, columns: int) -> None:
@@ -70,6 +71,9 @@ class Backend(ABC):
 
     model: PreTrainedModel
     compute = None
+    # Whether a padded column costs a pass as much as a real one (a CPU's compute-bound prefill): a batch's
+    # first pass then feeds its rows one by one, without their left padding (decoding/batch/rows.py).
+    padding_costs = False
 
     @property
     def config(self):

@@ -49,10 +49,15 @@ class HFCache(KVCache):
             raise ValueError("continuous batching needs a dynamic full-attention cache (no sliding-window layers)")
         return layers
 
-    def stack(self, other: KVCache, width: int) -> None:
-        for mine, theirs in zip(self._layers(), other._layers()):
-            mine.keys = torch.cat([left_holes(mine.keys, width), left_holes(theirs.keys, width)], dim=0)
-            mine.values = torch.cat([left_holes(mine.values, width), left_holes(theirs.values, width)], dim=0)
+    def stack(self, others: list[KVCache], width: int) -> None:
+        layers = [other._layers() for other in others]
+        for i, mine in enumerate(self._layers()):
+            parts = ([mine] if mine.is_initialized else []) + [theirs[i] for theirs in layers]
+            keys = torch.cat([left_holes(part.keys, width) for part in parts], dim=0)
+            values = torch.cat([left_holes(part.values, width) for part in parts], dim=0)
+            if not mine.is_initialized:
+                mine.lazy_initialization(keys, values)
+            mine.keys, mine.values = keys, values
 
     def drop_front(self, columns: int) -> None:
         if columns > 0:

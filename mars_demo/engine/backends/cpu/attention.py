@@ -17,7 +17,7 @@ from . import rowattn
 
 ROW_EXACT = "row_exact"  # passes of up to ROW_EXACT_ROWS rows attend row by row; longer ones in one call
 ROW_EXACT_ROWS = 16
-# int8dyn and int8: prefills up to this many rows attend row by row too. A MARS or exact prefill
+# bf16, int8 and int8dyn: prefills up to this many rows attend row by row too. A MARS or exact prefill
 # feeds the prompt and masks, AR's the prompt alone, a batch's prefill pads its prompts, and SDPA
 # over a block of rows rounds by block size (~1e-6 in fp32): int8dyn's per-row scales can turn that
 # into a flipped token (BENCHMARKS.md, "Quality by compute path"), and so can int8's near ties (a live
@@ -69,13 +69,8 @@ def row_exact_attention(module, query, key, value, attention_mask, max_rows: int
     """SDPA in which each query row of a pass of up to ``max_rows`` attends alone, as in a one-token pass.
 
     On fp32 tensors it is the native kernel (rowattn.py) where that is built: all rows in one call per layer.
-    A pass with its own mask over a cache (exact mode's groups, candidate trees, a batch's decode passes)
-    attends row by row at any width up to ROW_EXACT_PREFILL_ROWS: a wide verifying pass (block size 8, a
-    tree) is longer than ROW_EXACT_ROWS, and its kept rows must be one-token passes' bit for bit.
     """
     batch, _, q_len, _ = query.shape  # (batch, heads, q, head_dim)
-    if attention_mask is not None and key.shape[2] > q_len:  # a masked pass over a cache: verifying, a batch
-        max_rows = max(max_rows, ROW_EXACT_PREFILL_ROWS)  # its rows must equal one-token passes at any width
     if q_len > max_rows:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scaling = kwargs.get("scaling")

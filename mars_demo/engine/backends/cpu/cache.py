@@ -38,6 +38,11 @@ class CpuCache(KVCache):
     def get_seq_length(self) -> int:
         return self.end
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """What the buffers hold (None before the first pass)."""
+        return self.buffers[0][0].dtype if self.buffers else None
+
     def crop(self, columns: int) -> None:
         if columns > 0:
             self.end = max(self.end - columns, 0)
@@ -72,28 +77,37 @@ class CpuCache(KVCache):
         return k[:, :, : self.end], v[:, :, : self.end]
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        if self.buffers:
+        """In place where rows only move into slots already vacated (``moves_in_place``): a leaving row costs the
+        copy of at most one row's columns, not of every buffer. Other orders (a row repeated) get new buffers."""
+        if not self.buffers:
+            return
+        order = index.tolist()
+        if not moves_in_place(order, self.buffers[0][0].shape[0]):
             self.buffers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.buffers]
+            return
+        moves = [(to, source) for to, source in enumerate(order) if to != source]
+        for k, v in self.buffers:
+            for to, source in moves:
+                k[to, :, : self.end].copy_(k[source, :, : self.end])
+                v[to, :, : self.end].copy_(v[source, :, : self.end])
+        self.buffers = [(k[: len(order)], v[: len(order)]) for k, v in self.buffers]
 
-    def stack(self, other: KVCache, width: int) -> None:
-        if not isinstance(other, CpuCache):
-            raise TypeError("a CpuCache stacks only another CpuCache")
-        mine = [(k[:, :, : self.end], v[:, :, : self.end]) for k, v in self.buffers]
-        theirs = [(k[:, :, : other.end], v[:, :, : other.end]) for k, v in other.buffers]
-        if not mine:
-            mine = [(k[:0], v[:0]) for k, v in theirs]
+    def stack(self, others: list[KVCache], width: int) -> None:
+        if not all(isinstance(other, CpuCache) for other in others):
+            raise TypeError("a CpuCache stacks only other CpuCaches")
+        parts = [self, *others] if self.buffers else list(others)
         self.buffers = [
-            tuple(_with_room(torch.cat([left_holes(a, width), left_holes(b, width)], dim=0), width)
-                  for a, b in zip(pair_a, pair_b))
-            for pair_a, pair_b in zip(mine, theirs)
+            tuple(_with_room(torch.cat([left_holes(part.buffers[layer][i][:, :, : part.end], width) for part in parts]),
+                             width) for i in (0, 1))
+            for layer in range(self.layers)
         ]
         self.end = width
 
     def drop_front(self, columns: int) -> None:
+        """Views that start ``columns`` later: nothing is copied until the buffers next need room."""
         if columns > 0:
             self.end -= columns
-            self.buffers = [(_with_room(k[:, :, columns : columns + self.end], self.end),
-                             _with_room(v[:, :, columns : columns + self.end], self.end)) for k, v in self.buffers]
+            self.buffers = [(k[:, :, columns:], v[:, :, columns:]) for k, v in self.buffers]
 
     def compact(self, start: int, columns: list[int]) -> None:
         """In place: the listed columns are copied down to ``start`` (none where they are there already)."""
@@ -104,3 +118,17 @@ class CpuCache(KVCache):
                 k[:, :, start : start + len(columns)] = k.index_select(2, index)  # a copy first: overlap is safe
                 v[:, :, start : start + len(columns)] = v.index_select(2, index)
         self.end = start + len(columns)
+
+
+def moves_in_place(order: list[int], rows: int) -> bool:
+    """Whether keeping rows ``order`` of ``rows`` can copy them in place, slot by slot in order: every row is kept
+    once, and none is read after its slot was written."""
+    if len(set(order)) != len(order) or any(not 0 <= r < rows for r in order):
+        return False
+    written = set()
+    for to, source in enumerate(order):
+        if to != source:
+            if source in written:
+                return False
+            written.add(to)
+    return True

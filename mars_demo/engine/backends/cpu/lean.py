@@ -35,7 +35,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from . import rowattn
 from .attention import MAX_ROWS, ROW_EXACT, ROW_EXACT_PREFILL, row_exact_attention, row_exact_prefill_attention
 from .cache import CpuCache
-from .native_layers import NativeLayers
+from .native_layers import NativeLayers, half_cache
 
 ARCHITECTURES = ("llama", "qwen2")  # RMSNorm, RoPE, q/k/v/o attention and a gated SiLU MLP
 # The attention functions by name: transformers' own two, and the row-exact ones (attention.py)
@@ -173,6 +173,8 @@ class LeanForward:
         native = self._runs_natively(x)
         if self._plainly_causal(x, mask, native):
             mask = None  # the row-exact attention's own causal rule: no mask to build and read every pass
+        elif native:  # the native layers read the keys each row sees, not a mask: a 2-D one gives them directly
+            mask = self._visible(x, mask, past)
         elif mask is None or mask.dim() == 2:
             mask = self._mask(x, mask, past)
         if native:
@@ -200,6 +202,16 @@ class LeanForward:
             return eager_mask(**sizes, dtype=x.dtype)
         return sdpa_mask(**sizes, allow_is_causal_skip=True)
 
+    def _visible(self, x: torch.Tensor, mask, past: int) -> rowattn.Visible | None:
+        """The keys each row of a native pass sees: None (causal over the cache), from a 2-D padding mask directly,
+        else from the 4-D mask."""
+        batch, n = x.shape[:2]
+        if mask is None:
+            return None
+        if mask.dim() == 2:
+            return rowattn.Visible.padded(mask, n)
+        return rowattn.Visible(mask, batch, n, past + n)
+
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for the positions, sin's first half negated: (batch, n, head_dim).
 
@@ -226,8 +238,8 @@ class LeanForward:
         cos, sin = cos.unsqueeze(2), _negate_first_half(sin).unsqueeze(2)
         store = None
         if cache is not None:
-            first = self.layers[0]
-            cache.open(x.new_empty(x.shape[0], first.kv_heads, 0, first.head_dim), x.shape[1])
+            first, kind = self.layers[0], cache.dtype or x.dtype  # a cache the native layers filled keeps fp16
+            cache.open(x.new_empty(x.shape[0], first.kv_heads, 0, first.head_dim, dtype=kind), x.shape[1])
             store = cache.write
         for layer in self.layers:
             x = x + self._attention(layer, _norm(x, layer.norm1, layer.eps1), cos, sin, half, mask, store)
@@ -249,17 +261,17 @@ class LeanForward:
             return False
         return x.shape[1] <= MAX_ROWS.get(self.attention, 0)
 
-    def _native_pass(self, cache: CpuCache | None, x: torch.Tensor, cos, sin, mask) -> torch.Tensor:
+    def _native_pass(self, cache: CpuCache | None, x: torch.Tensor, cos, sin, mask: rowattn.Visible | None):
         batch, rows = x.shape[:2]
-        like = x.new_empty(batch, self.native.kv_heads, 0, self.native.dim)
+        kind = torch.float16 if half_cache() else x.dtype  # what the cache keeps (native_layers.half_cache)
+        like = x.new_empty(batch, self.native.kv_heads, 0, self.native.dim, dtype=kind)
         if cache is not None:
             start, buffers, memo = cache.open(like, rows), cache.buffers, cache.native_memo
         else:  # no cache: this pass's keys and values only
             start, memo = 0, None
             buffers = [(like.new_empty(batch, like.shape[1], rows, like.shape[-1]),
                         like.new_empty(batch, like.shape[1], rows, like.shape[-1])) for _ in self.layers]
-        visible = None if mask is None else rowattn.Visible(mask, batch, rows, start + rows)
-        return self.native.run(x, cos, sin, start, buffers, visible, memo)
+        return self.native.run(x, cos, sin, start, buffers, mask, memo)
 
     def _plainly_causal(self, x: torch.Tensor, mask, native: bool) -> bool:
         """Whether this pass's mask would say only "each row sees the cache and the rows up to it".
@@ -288,5 +300,6 @@ class LeanForward:
         v = v.unflatten(-1, (kv_heads, d)).transpose(1, 2)
         if store is not None:
             k, v = store(layer.index, k, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # no copy unless the cache keeps fp16 (native_layers.half_cache)
         out, _ = self.attend(layer.attention, q, k, v, mask, dropout=0.0, scaling=layer.attention.scaling)
         return layer.o(out.reshape(batch, n, -1))

@@ -28,6 +28,7 @@ from functools import cache
 
 import torch
 
+from .... import settings
 from . import int8gemm, native, rowattn
 
 DECODER_ENV = "MARS_DEMO_DECODER"  # "0": the torch layers (lean.py) around the kernels
@@ -49,7 +50,7 @@ class _Pass(ctypes.Structure):
     _fields_ = [
         ("x", _P), ("batch", _I), ("rows", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("dim", _I),
         ("cos", _P), ("sin", _P), ("rope_batch_stride", _I),
-        ("keys", ctypes.POINTER(_P)), ("values", ctypes.POINTER(_P)),
+        ("keys", ctypes.POINTER(_P)), ("values", ctypes.POINTER(_P)), ("half_cache", _I),
         ("cache_batch_stride", _I), ("cache_head_stride", _I), ("start", _I), ("ranges", _P), ("offsets", _P),
         ("scale", _F), ("inverse", _F), ("threads", _I), ("attention_threads", _I),
     ]
@@ -63,6 +64,17 @@ def kernel():
     """The native decoder layers (a ctypes function), or None: switched off, no compiler, the build failed, or a
     struct's layout differs from decoder.cpp's."""
     return native.function("decoder", DECODER_ENV, [_P, _P, _I], STRUCTS)
+
+
+@cache
+def half_cache() -> bool:
+    """Whether the native layers keep keys and values as fp16: switched on (MARS_DEMO_HALF_CACHE) and a build that
+    reads them (F16C)."""
+    if kernel() is None or not settings.HALF_CACHE.read():
+        return False
+    supported = native.library(native.INCLUDED_IN.get("decoder", "decoder")).half_cache_supported
+    supported.restype = ctypes.c_int64
+    return bool(supported())
 
 
 def _int8_weights(gemm) -> int8gemm.Weights | None:
@@ -157,8 +169,9 @@ class NativeLayers:
         """The decoder layers over ``x`` (batch, rows, hidden) fp32: a new tensor.
 
         cos / sin: (batch or 1, rows, head dim), sin's first half negated (lean.py's tables).
-        buffers: per layer (keys, values), contiguous (batch, kv heads, room, head dim), holding ``start``
-        cached columns: the pass's keys and values are written at start .. start + rows.
+        buffers: per layer (keys, values), (batch, kv heads, room, head dim) with the head dim contiguous, fp32 or
+        fp16 (``half_cache``), holding ``start`` cached columns: the pass's keys and values are written at
+        start .. start + rows.
         visible: rowattn.Visible for a masked pass, None for a causal one over the cache.
         memo: see ``pointers``.
         """
@@ -171,9 +184,13 @@ class NativeLayers:
         run = _Pass(
             x.data_ptr(), batch, rows, self.hidden, self.heads, self.kv_heads, self.dim,
             cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else rows * self.dim, keys, values,
+            buffers[0][0].dtype == torch.float16,
             stride[0], stride[1], start, ranges, offsets, self.scale, int8gemm.INVERSE_STEP,
             torch.get_num_threads(), rowattn.threads(visible, batch, rows, start + rows, self.heads),
         )
-        if self.function(ctypes.byref(run), self.layers, len(self.layers)):
+        failed = self.function(ctypes.byref(run), self.layers, len(self.layers))
+        if failed == 1:
             raise MemoryError("native decoder layers: out of memory for a pass's buffers")
+        if failed:
+            raise RuntimeError("native decoder layers: this build cannot read an fp16 cache (no F16C)")
         return x

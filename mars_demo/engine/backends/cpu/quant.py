@@ -1,7 +1,8 @@
 """CPU compute paths as conversions of an fp32 model: bf16, int8 (weight-only) and int8dyn (int8 x int8).
 
 Every non-fp32 path is row-exact, a row's output bit for bit independent of the rows fed with
-it: ``Int8Linear`` (per-output-channel int8 weights, bf16 activations, no activation scale
+it: ``RowBf16Linear`` (bf16's linears, a decode pass's rows fed to the GEMM one at a time),
+``Int8Linear`` (per-output-channel int8 weights, bf16 activations, no activation scale
 shared across rows), ``RowInt8Linear`` (int8 x int8 GEMM with one activation scale per row)
 and the row-exact attention (attention.py: each row attends as a one-token pass). So MARS at tau = 1.0 and
 exact decoding equal one-token AR on these paths. Which path a model decodes on is measured
@@ -10,9 +11,11 @@ per machine in paths.py.
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -23,6 +26,39 @@ SMOOTHING_ALPHA = 0.5
 
 
 # -- row-exact building blocks -----------------------------------------------------------------
+# How many rows a pass may have and still feed bf16's linears one row at a time. The CPU engine sets it
+# for each pass (backend.py): every row of a decode pass alone, a prefill in one call; elsewhere (transformers'
+# forward on a bf16 model) passes of up to 16 rows, as attention.ROW_EXACT_ROWS. Per thread: a live batch
+# decodes beside a race.
+BF16_ROWS_ALONE: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_rows_alone", default=16)
+
+
+class RowBf16Linear(nn.Linear):
+    """bf16's linear, row-exact: in a pass of up to BF16_ROWS_ALONE rows each row is its own GEMM call.
+
+    oneDNN's bf16 GEMM (where the CPU has AVX-512) picks its kernel by the rows fed, and with 2048 or
+    more inputs (Qwen2.5-0.5B's down_proj: 4864) a row's sums round otherwise at 3 rows than at 1. A row
+    fed alone is the very call of a one-token pass, so a decode pass's rows are a one-token pass's bit for
+    bit; a prefill stays one call. Shares the linear's parameters (a tied head stays tied).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (rows, in)
+        n = rows.shape[0]
+        if n > BF16_ROWS_ALONE.get():
+            return F.linear(x, self.weight, self.bias)
+        if n == 1:  # a one-token pass: the call every row of a short pass makes
+            y = F.linear(rows, self.weight, self.bias)
+        else:
+            y = torch.cat([F.linear(rows[i : i + 1], self.weight, self.bias) for i in range(n)])
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8 linear: per-output-channel scales, bf16 activations, rows independent."""
 
@@ -248,6 +284,10 @@ def convert(
         raise ValueError(f"unknown compute path {path!r}")
     if path == "bf16":
         model.to(torch.bfloat16)
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, name, RowBf16Linear(child))
     elif path == "int8":
         _to_int8(model, Int8Linear)
     elif path == "int8dyn":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 from functools import cache
 
+import numpy as np
 import torch
 
 from . import native
@@ -58,14 +59,33 @@ class Visible:
     ranges: (N, 2) int64; offsets: (batch * rows + 1,) int64, row r owning ranges[offsets[r]:offsets[r + 1]].
     """
 
-    def __init__(self, attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> None:
-        allowed = allowed_keys(attention_mask, batch, q_len, kv_len).to(torch.int8)
-        edges = torch.nn.functional.pad(allowed, (1, 1)).diff(dim=-1)  # +1 where a run starts, -1 after it ends
-        starts, ends = (edges == 1).nonzero(), (edges == -1).nonzero()  # row-major: they pair up in order
-        self.ranges = torch.stack([starts[:, 2], ends[:, 2]], dim=1).contiguous()
-        per_row = torch.bincount(starts[:, 0] * q_len + starts[:, 1], minlength=batch * q_len)
-        self.offsets = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)]).contiguous()
-        self.work = int((ends[:, 2] - starts[:, 2]).sum())  # visible (row, key) pairs
+    def __init__(
+        self, attention_mask: torch.Tensor | None, batch: int = 0, q_len: int = 0, kv_len: int = 0, *,
+        allowed: torch.Tensor | None = None,
+    ) -> None:
+        """From a 4-D mask (see ``allowed_keys``), or from ``allowed`` (batch, q, kv) bool itself."""
+        if allowed is None:
+            allowed = allowed_keys(attention_mask, batch, q_len, kv_len)
+        # numpy: a pass's mask is small, and a dozen torch ops on it cost more than the attention they steer
+        batch, q_len, keys = allowed.shape
+        flat = np.zeros((batch * q_len, keys + 2), dtype=np.int8)
+        flat[:, 1:-1] = allowed.reshape(batch * q_len, keys).cpu().numpy()
+        edges = np.diff(flat, axis=1)  # +1 where a run starts, -1 after it ends
+        row, start = np.nonzero(edges == 1)  # row-major: starts and ends pair up in order
+        _, end = np.nonzero(edges == -1)
+        self.ranges = torch.from_numpy(np.stack([start, end], axis=1).astype(np.int64))
+        offsets = np.zeros(batch * q_len + 1, dtype=np.int64)
+        np.cumsum(np.bincount(row, minlength=batch * q_len), out=offsets[1:])
+        self.offsets = torch.from_numpy(offsets)
+        self.work = int((end - start).sum())  # visible (row, key) pairs
+
+    @classmethod
+    def padded(cls, padding: torch.Tensor, q_len: int) -> Visible:
+        """A causal pass of ``q_len`` rows under a 2-D mask ``padding`` (batch, keys; 1 = attend, 0 = a hole) that
+        covers the cache and the pass: what transformers' 4-D mask says, without building it."""
+        keys, device = padding.shape[1], padding.device
+        causal = torch.arange(keys, device=device) <= torch.arange(keys - q_len, keys, device=device)[:, None]
+        return cls(None, allowed=padding.bool()[:, None, :] & causal)
 
 
 def threads(visible: Visible | None, batch: int, rows: int, keys: int, heads: int) -> int:

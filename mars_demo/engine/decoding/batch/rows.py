@@ -71,10 +71,13 @@ class PaddedCache:
     def forward(self, window: Window) -> torch.Tensor:
         """Feed one window (rows, width); logits (rows, keep, vocab) of its last ``keep`` columns."""
         device = self.attn.device
-        self.attn = torch.cat([self.attn, torch.tensor(window.attn, device=device)], dim=1)
+        attn = torch.tensor(window.attn, device=device)
         first = torch.tensor(window.first_pos, device=device)[:, None]
         positions = (first + torch.arange(window.width, device=device)).clamp_min(0)  # (rows, width)
         ids = torch.tensor(window.ids, device=device)
+        if self._apart(attn, window.keep):
+            return self._feed_apart(ids, positions, attn, None, window.keep)
+        self.attn = torch.cat([self.attn, attn], dim=1)
         return self.backend.forward(ids, self.cache, positions=positions, mask=self.attn, keep=window.keep)
 
     def forward_block(self, ids: torch.Tensor, positions: torch.Tensor, block: torch.Tensor, keep: int) -> torch.Tensor:
@@ -84,12 +87,49 @@ class PaddedCache:
         Every new column joins the cache's mask as attended (1): crop what must not stay, or hide() it.
         """
         rows, width = ids.shape
-        dtype = self.backend.dtype
+        present = block.diagonal(dim1=1, dim2=2).long()
+        if self._apart(present, keep):
+            return self._feed_apart(ids, positions, present, block, keep)
         # (rows, width, C + width)
         allowed = torch.cat([self.attn.bool()[:, None, :].expand(rows, width, -1), block], dim=2)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        self.attn = torch.cat([self.attn, block.diagonal(dim1=1, dim2=2).long()], dim=1)
-        return self.backend.forward(ids, self.cache, positions=positions, mask=mask[:, None], keep=keep)
+        self.attn = torch.cat([self.attn, present], dim=1)
+        return self.backend.forward(ids, self.cache, positions=positions, mask=self._additive(allowed), keep=keep)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(rows, 1, q, k): 0 where ``allowed`` (rows, q, k), the dtype's minimum elsewhere."""
+        dtype = self.backend.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+    def _apart(self, attn: torch.Tensor, keep: int) -> bool:
+        """Whether to feed this pass row by row: the first pass of several rows of which some start with holes
+        (left padding), on a backend where padding costs as much as a real column (a CPU's prefill)."""
+        return (
+            self.length == 0 and attn.shape[0] > 1 and self.backend.padding_costs
+            and bool((attn[:, : attn.shape[1] - keep] == 0).any())
+        )
+
+    def _feed_apart(self, ids, positions, attn: torch.Tensor, block: torch.Tensor | None, keep: int) -> torch.Tensor:
+        """The first pass with each row fed alone, without its leading holes, then the rows' caches stacked.
+
+        A row's output does not depend on the rows beside it or on holes it does not see, so each row's
+        logits and keys are those the padded pass would give it; only the holes' work is saved.
+        """
+        width, logits, caches = ids.shape[1], [], []
+        for r in range(ids.shape[0]):
+            holes = min(int(attn[r].argmax()), width - keep)  # never into the kept columns
+            mask = attn[r : r + 1, holes:]
+            if block is not None:
+                mask = self._additive(block[r : r + 1, holes:, holes:])
+            elif bool(mask.all()):
+                mask = None
+            cache = self.backend.new_cache()
+            logits.append(self.backend.forward(ids[r : r + 1, holes:], cache, positions=positions[r : r + 1, holes:],
+                                               mask=mask, keep=keep))
+            caches.append(cache)
+        self.cache.stack(caches, width)
+        self.attn = attn
+        return torch.cat(logits)
 
     def hide(self, row: int, start: int, stop: int) -> None:
         """Turn one row's columns start..stop-1 into holes (a rejected draft that other rows' columns keep)."""
@@ -108,7 +148,7 @@ class PaddedCache:
         each keeps its own position ids: a merged row decodes exactly as it would alone.
         """
         width = max(self.length, other.length)
-        self.cache.stack(other.cache, width)
+        self.cache.stack([other.cache], width)
         self.attn = torch.cat([_left_holes(self.attn, width), _left_holes(other.attn, width)], dim=0)
 
     def trim(self) -> None:
@@ -126,11 +166,25 @@ class PaddedCache:
         self.attn = self.attn[index]
 
     def drop_finished(self, book: RowBook, active: list[int]) -> list[int]:
-        """The active rows that are still live; the others leave the cache."""
+        """The active rows that are still live, in their new cache order; the others leave the cache.
+
+        The last live rows move into the slots of the rows that left (``fill_from_end``), so the cache copies
+        one row per row that left instead of every row after it.
+        """
         still = [i for i, r in enumerate(active) if book.live(r)]
         if still and len(still) < len(active):
+            still = fill_from_end(still)
             self.keep_rows(still)
         return [active[i] for i in still]
+
+
+def fill_from_end(kept: list[int]) -> list[int]:
+    """The slots 0..len(kept)-1 filled with the ``kept`` rows (ascending): those already in a slot stay, the ones
+    beyond move into the slots of the rows that left."""
+    slots = len(kept)
+    movers = iter(r for r in kept if r >= slots)
+    staying = set(kept)
+    return [r if r in staying else next(movers) for r in range(slots)]
 
 
 def _left_holes(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -51,9 +51,10 @@ struct Pass {
   const float* cos;  // (batch or 1, rows, dim)
   const float* sin;  // the same, its first half negated
   int64_t rope_batch_stride;  // 0 when one table serves every sequence
-  float* const* keys;  // per layer: (batch, kv heads, room, dim) buffers
-  float* const* values;
-  int64_t cache_batch_stride, cache_head_stride;  // in floats, the same in every layer
+  void* const* keys;  // per layer: (batch, kv heads, room, dim) buffers of floats, or of halves (half_cache)
+  void* const* values;
+  int64_t half_cache;  // 1: the cache holds IEEE fp16 (lanes.h), 0: floats
+  int64_t cache_batch_stride, cache_head_stride;  // in elements, the same in every layer
   int64_t start;  // keys held before this pass
   const int64_t* ranges;  // visible keys as in row_attention.cpp, or null: causal
   const int64_t* offsets;
@@ -75,8 +76,16 @@ void rms_norm_row(const float* x, int64_t n, const float* weight, float eps, flo
   for (k = 0; k < n; k++) out[k] = weight[k] * (x[k] * inv);
 }
 
+// A row's keys or values (d floats) into the cache: as they are, or rounded to halves.
+inline void store(const Pass& p, void* buffer, int64_t at, const float* x, int64_t d) {
+#if HALF_CACHE
+  if (p.half_cache) return to_halves((Half*)buffer + at, x, d);
+#endif
+  memcpy((float*)buffer + at, x, d * sizeof(float));
+}
+
 // RoPE on the q and k heads of row r of qkv, in place, then its keys and values into the cache.
-void rope_and_store_row(const Pass& p, int64_t r, float* qkv, int64_t width, float* keys, float* values) {
+void rope_and_store_row(const Pass& p, int64_t r, float* qkv, int64_t width, void* keys, void* values) {
   const int64_t d = p.dim, half = d / 2, rotated = p.heads + p.kv_heads;
   const int64_t b = r / p.rows, i = r % p.rows;
   const float* c = p.cos + b * p.rope_batch_stride + i * d;
@@ -92,8 +101,8 @@ void rope_and_store_row(const Pass& p, int64_t r, float* qkv, int64_t width, flo
   }
   for (int64_t g = 0; g < p.kv_heads; g++) {
     const int64_t at = b * p.cache_batch_stride + g * p.cache_head_stride + (p.start + i) * d;
-    memcpy(keys + at, row + (p.heads + g) * d, d * sizeof(float));
-    memcpy(values + at, row + (rotated + g) * d, d * sizeof(float));
+    store(p, keys, at, row + (p.heads + g) * d, d);
+    store(p, values, at, row + (rotated + g) * d, d);
   }
 }
 
@@ -122,6 +131,15 @@ void silu_times_up(const float* gate_up, int64_t n, float* act, int64_t from, in
       for (int64_t j = k; j < n; j++) a[j] = (g[j] * (1.0f / (1.0f + expf(-g[j])))) * u[j];
     }
   }
+}
+
+// Layer l's attention over the cache: q read in place from the q/k/v rows, (batch, heads, rows, dim) by strides.
+template <typename KV>
+CallOf<KV> attention_call(const Pass& p, int64_t l, const float* wide, int64_t width, float* out) {
+  return {wide, p.rows * width, p.dim, width,
+          (const KV*)p.keys[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
+          (const KV*)p.values[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
+          out, p.batch, p.heads, p.kv_heads, p.rows, p.start + p.rows, p.dim, p.ranges, p.offsets, p.scale};
 }
 
 // This thread's share [from, to) of n items split evenly over the team (nothing outside a team)
@@ -174,16 +192,20 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
     barrier();
     for (int64_t r = r0; r < r1; r++) rope_and_store_row(p, r, wide, L.qkv.out, p.keys[l], p.values[l]);
     barrier();
-    // q read in place from the q/k/v rows: (batch, heads, rows, dim) by strides
-    const Call c = {wide, p.rows * L.qkv.out, p.dim, L.qkv.out,
-                    p.keys[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
-                    p.values[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
-                    act, p.batch, p.heads, p.kv_heads, p.rows, p.start + p.rows, p.dim, p.ranges, p.offsets, p.scale};
     const Share attending{me.t, p.attention_threads < me.team ? p.attention_threads : me.team};
     if (me.t < attending.team) {
       int64_t from, to;
       attending.of(rows * p.heads, &from, &to);
-      failed |= run_units(&c, from, to);
+#if HALF_CACHE
+      if (p.half_cache) {
+        const CallOf<Half> c = attention_call<Half>(p, l, wide, L.qkv.out, act);
+        failed |= run_units(&c, from, to);
+      } else
+#endif
+      {
+        const CallOf<float> c = attention_call<float>(p, l, wide, L.qkv.out, act);
+        failed |= run_units(&c, from, to);
+      }
     }
     barrier();
     code(act, L.o.in);
@@ -269,7 +291,13 @@ int64_t write_layout(int64_t size, const int64_t (&fields)[N], int64_t* out, int
 extern "C" {
 
 // The decoder layers of one pass over x (pass.x, in place). Returns 0, or 1 when out of memory.
-int decoder(const Pass* pass, const Layer* layers, int64_t n_layers) { return run(*pass, layers, n_layers); }
+int decoder(const Pass* pass, const Layer* layers, int64_t n_layers) {
+  if (pass->half_cache && !HALF_CACHE) return 2;  // this build cannot read halves (no F16C)
+  return run(*pass, layers, n_layers);
+}
+
+// Whether this build can keep the cache in halves (F16C).
+int64_t half_cache_supported() { return HALF_CACHE; }
 
 int64_t layout_Int8Weights(int64_t* out, int64_t room) {
   using S = Int8Weights;
@@ -290,7 +318,7 @@ int64_t layout_Pass(int64_t* out, int64_t room) {
   const int64_t fields[] = {
       FIELD(S, x), FIELD(S, batch), FIELD(S, rows), FIELD(S, hidden), FIELD(S, heads), FIELD(S, kv_heads),
       FIELD(S, dim), FIELD(S, cos), FIELD(S, sin), FIELD(S, rope_batch_stride), FIELD(S, keys), FIELD(S, values),
-      FIELD(S, cache_batch_stride), FIELD(S, cache_head_stride), FIELD(S, start), FIELD(S, ranges),
+      FIELD(S, half_cache), FIELD(S, cache_batch_stride), FIELD(S, cache_head_stride), FIELD(S, start), FIELD(S, ranges),
       FIELD(S, offsets), FIELD(S, scale), FIELD(S, inverse), FIELD(S, threads), FIELD(S, attention_threads)};
   return write_layout(sizeof(S), fields, out, room);
 }

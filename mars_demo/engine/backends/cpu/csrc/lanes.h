@@ -49,6 +49,39 @@ typedef int32_t vvi __attribute__((vector_size(VALUE_LANES * sizeof(int32_t))));
 
 static inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
 
+// Keys and values stored as IEEE fp16 (Half: its bits) and read as floats. Converting a half to a float
+// is exact, so a row's arithmetic on what it reads is the float arithmetic, in the same order; a float
+// becomes a half by rounding to nearest even, one value at a time, so rows stay independent bit for bit.
+// Needs F16C (every AVX2 CPU has it): HALF_CACHE says whether this build has it.
+typedef uint16_t Half;
+static inline float to_float(float x) { return x; }
+static inline vv load_lanes(const float* p) {
+  vv v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+#if defined(__F16C__)
+#define HALF_CACHE 1
+static inline v8f load8(const Half* p) { return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline float to_float(Half h) { return _cvtsh_ss(h); }
+static inline vv load_lanes(const Half* p) {
+#if VALUE_LANES == 16
+  return (vv)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#else
+  return (vv)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#endif
+}
+// n floats into halves
+static inline void to_halves(Half* out, const float* x, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    _mm_storeu_si128((__m128i*)(out + k), _mm256_cvtps_ph(_mm256_loadu_ps(x + k), _MM_FROUND_TO_NEAREST_INT));
+  for (; k < n; k++) out[k] = _cvtss_sh(x[k], _MM_FROUND_TO_NEAREST_INT);
+}
+#else
+#define HALF_CACHE 0
+#endif
+
 // exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, a vector at a time: F is
 // a float vector and I the int32 vector of its width. Lane by lane, so the width changes no bits.
 template <typename F, typename I>

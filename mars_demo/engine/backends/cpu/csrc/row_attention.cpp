@@ -20,10 +20,12 @@
 
 #include "lanes.h"
 
-struct Call {
-  const float* q; int64_t qb, qh, qr;   // query (batch, heads, rows, dim): strides in floats, dim contiguous
-  const float* k; int64_t kb, kh, ks;   // keys (batch, kv heads, keys, dim)
-  const float* v; int64_t vb, vh, vs;   // values, as keys
+// KV: how the keys and values are stored: float, or Half (IEEE fp16, read as floats: lanes.h)
+template <typename KV>
+struct CallOf {
+  const float* q; int64_t qb, qh, qr;   // query (batch, heads, rows, dim): strides in elements, dim contiguous
+  const KV* k; int64_t kb, kh, ks;      // keys (batch, kv heads, keys, dim)
+  const KV* v; int64_t vb, vh, vs;      // values, as keys
   float* out;                           // (batch, rows, heads, dim), contiguous
   int64_t batch, heads, kv_heads, rows, keys, dim;
   const int64_t* ranges;                // [start, end) pairs of visible keys, by row; null: causal
@@ -32,14 +34,14 @@ struct Call {
 };
 
 // The dot product of q and k over dim (a multiple of 8 when D8 > 0): 8-lane partial sums, then a fixed tree.
-template <int D8>
-static inline float dot(const float* q, const float* k, int64_t d) {
+template <int D8, typename KV>
+static inline float dot(const float* q, const KV* k, int64_t d) {
   v8f acc = splat(0.0f);
   const int64_t n8 = D8 > 0 ? D8 * 8 : d - d % 8;
   for (int64_t t = 0; t < n8; t += 8) acc += load8(q + t) * load8(k + t);
   float s = hsum8(acc);
   if (D8 == 0)
-    for (int64_t t = n8; t < d; t++) s += q[t] * k[t];
+    for (int64_t t = n8; t < d; t++) s += q[t] * to_float(k[t]);
   return s;
 }
 
@@ -54,8 +56,8 @@ constexpr int64_t HEAD_BLOCK =
 
 // The weighted values of NH heads (scores p, a head's stride apart; outputs d floats apart) over
 // the visible keys, key by key from zero: each head's sums exactly as it would make them alone.
-template <int D8, int NH>
-static inline void weigh_values_n(const float* p, int64_t stride, float* out, int64_t d, const float* v,
+template <int D8, int NH, typename KV>
+static inline void weigh_values_n(const float* p, int64_t stride, float* out, int64_t d, const KV* v,
                                   int64_t vs, const int64_t* ranges, int64_t n_ranges) {
   constexpr int N = D8 * 8 / VALUE_LANES;
   vv acc[NH][N];
@@ -64,10 +66,9 @@ static inline void weigh_values_n(const float* p, int64_t stride, float* out, in
   int64_t at = 0;
   for (int64_t g = 0; g < n_ranges; g++)
     for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
-      const float* vj = v + j * vs;
+      const KV* vj = v + j * vs;
       for (int u = 0; u < N; u++) {
-        vv value;
-        memcpy(&value, vj + VALUE_LANES * u, sizeof(value));
+        const vv value = load_lanes(vj + VALUE_LANES * u);
         // the score in every lane (x - 0 is x, exactly)
         for (int h = 0; h < NH; h++) acc[h][u] += (p[h * stride + at] - vv{}) * value;
       }
@@ -76,8 +77,8 @@ static inline void weigh_values_n(const float* p, int64_t stride, float* out, in
     for (int u = 0; u < N; u++) memcpy(out + h * d + VALUE_LANES * u, &acc[h][u], sizeof(vv));
 }
 
-template <int D8>
-static void weigh_values(int64_t n, const float* p, int64_t stride, float* out, int64_t d, const float* v,
+template <int D8, typename KV>
+static void weigh_values(int64_t n, const float* p, int64_t stride, float* out, int64_t d, const KV* v,
                          int64_t vs, const int64_t* ranges, int64_t n_ranges) {
   switch (n) {
 #define HEADS(k) \
@@ -96,8 +97,8 @@ static void weigh_values(int64_t n, const float* p, int64_t stride, float* out, 
 // the keys and values come from L2 once for the group, not once a head. Each head's arithmetic is
 // the one it would do alone, in the same order (partial sums stored and reloaded are exact), so
 // which heads a thread takes together changes no bits.
-template <int D8>
-static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t h1, float* scores) {
+template <int D8, typename KV>
+static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, int64_t h1, float* scores) {
   const int64_t d = c->dim, group = c->heads / c->kv_heads, stride = c->keys + 16;  // a head's scores
   int64_t causal_range[2];
   const int64_t* ranges;
@@ -117,8 +118,8 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
     const int64_t kvh = first / group;
     int64_t last = (kvh + 1) * group < h1 ? (kvh + 1) * group : h1;  // heads first .. last - 1 share kvh
     last = last - first > MAX_TOGETHER ? first + MAX_TOGETHER : last;
-    const float* kbase = c->k + b * c->kb + kvh * c->kh;
-    const float* vbase = c->v + b * c->vb + kvh * c->vh;
+    const KV* kbase = c->k + b * c->kb + kvh * c->kh;
+    const KV* vbase = c->v + b * c->vb + kvh * c->vh;
     auto query = [&](int64_t h) { return c->q + b * c->qb + h * c->qh + i * c->qr; };
     auto output = [&](int64_t h) { return c->out + ((b * c->rows + i) * c->heads + h) * d; };
     // scores, in the order of the visible keys; eight keys at a time for independent chains
@@ -127,7 +128,7 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
       int64_t j = ranges[2 * g];
       const int64_t end = ranges[2 * g + 1];
       for (; j + 8 <= end; j += 8, m += 8) {
-        const float* kj = kbase + j * c->ks;
+        const KV* kj = kbase + j * c->ks;
         const int64_t ks = c->ks;
         for (int64_t h = first; h < last; h++) {
           const float* q = query(h);
@@ -147,7 +148,7 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
           if (D8 == 0) {
             for (int u = 0; u < 8; u++) {
               float tail = block[u];
-              for (int64_t t = d8; t < d; t++) tail += q[t] * kj[u * ks + t];
+              for (int64_t t = d8; t < d; t++) tail += q[t] * to_float(kj[u * ks + t]);
               block[u] = tail;
             }
           }
@@ -202,8 +203,8 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
         int64_t at = 0;
         for (int64_t g = 0; g < n_ranges; g++)
           for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
-            const float* vj = vbase + j * c->vs;
-            for (int64_t t = 0; t < d; t++) out[t] += p[at] * vj[t];
+            const KV* vj = vbase + j * c->vs;
+            for (int64_t t = 0; t < d; t++) out[t] += p[at] * to_float(vj[t]);
           }
       }
     }
@@ -220,7 +221,8 @@ static void attend_row(const Call* c, int64_t b, int64_t i, int64_t h0, int64_t 
 // key group's rows are consecutive units, so a thread's share covers as few groups as it can: each
 // group's keys and values come from memory into one thread's cache, and its rows find them there
 // (a one-row call splits by heads alike).
-static int run_units(const Call* c, int64_t first, int64_t last) {
+template <typename KV>
+static int run_units(const CallOf<KV>* c, int64_t first, int64_t last) {
   const int64_t group = c->heads / c->kv_heads;  // a key group's heads' scores (attend_row)
   float* scores = (float*)malloc(group * (c->keys + 16) * sizeof(float));
   if (!scores) return 1;
@@ -242,7 +244,7 @@ static int run_units(const Call* c, int64_t first, int64_t last) {
 }
 
 // All units of c, split evenly by count over up to `threads` of torch's OpenMP threads.
-static int attend_all(const Call* c, int64_t threads) {
+static int attend_all(const CallOf<float>* c, int64_t threads) {
   const int64_t total = c->batch * c->rows * c->heads;
   if (threads > total) threads = total;
   int failed = 0;
@@ -264,7 +266,7 @@ extern "C" int row_attention(
     const float* v, int64_t vb, int64_t vh, int64_t vs, float* out, int64_t batch, int64_t heads,
     int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, const int64_t* ranges, const int64_t* offsets,
     float scale, int64_t threads) {
-  Call c = {q, qb, qh, qr, k, kb, kh, ks, v, vb, vh, vs, out, batch, heads, kv_heads, rows, keys, dim,
+  CallOf<float> c = {q, qb, qh, qr, k, kb, kh, ks, v, vb, vh, vs, out, batch, heads, kv_heads, rows, keys, dim,
             ranges, offsets, scale};
   return attend_all(&c, threads);
 }
