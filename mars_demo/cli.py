@@ -17,6 +17,7 @@ from . import commands
 from .engine.backends.cpu.paths import PRECISION_ENV, PRECISIONS
 from .engine.checkpoints.loading import BUNDLED, ModelLoadError
 from .engine.decoding.config import DecodeConfig
+from .engine.decoding.tree_shape import parse_tree
 
 
 class UserError(Exception):
@@ -51,6 +52,26 @@ def add_max_fed_argument(parser: argparse.ArgumentParser) -> None:
         help="how wide a MARS pass is: auto = each pass's width priced on the measured CPU compute path's cost "
         "(for expected tokens per ms; batches: the cost surface), the full window on a GPU; none = always B-1 "
         "masks, as in the paper; N = at most N tokens fed (accepted + masks) (default: auto)",
+    )
+
+
+def tree_value(text: str) -> str | None:
+    """argparse type of ``--tree``: none (a chain), auto, or a shape such as 2,1,1 (DecodeConfig.tree's message)."""
+    value = None if text == "none" else text
+    try:
+        parse_tree(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
+def add_tree_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tree", type=tree_value, default=None, metavar="{none,auto,SHAPE}",
+        help="exact and hybrid modes, one sequence (at a temperature exact mode only): verify a tree of the masks' "
+        "candidates. none = a chain "
+        "(default); auto = the shape by expected tokens per ms on the measured cost curve (a chain where width "
+        "costs, as on most CPUs); SHAPE = candidates per depth, e.g. 2,1,1",
     )
 
 

@@ -108,3 +108,70 @@ def reference_exact(
         if _commit(accepted + group[:n], generated, per_pass, max_new_tokens, stop_ids):
             break
     return generated, per_pass
+
+
+@torch.inference_mode()
+def reference_tree(
+    model: PreTrainedModel,
+    prompt: list[int],
+    *,
+    block_size: int,
+    mask_id: int,
+    shape: tuple[int, ...],
+    tau: float,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    metric: str = "probability",
+) -> tuple[list[int], list[int]]:
+    """Greedy verification of candidate trees of a fixed ``shape`` (decoding/tree.py) without a cache or a 4-D mask.
+
+    Depth by depth, AR's token after the path held so far is a plain causal forward over the sequence and that
+    path; a depth holds when that token is among the depth's top b candidates. The main masks are another
+    forward (after the main path), the fallback masks another (after the sequence). Returns (generated ids,
+    tokens per pass).
+    """
+    L, exact_pass = block_size - 1, tau >= 1.0
+    depth = len(shape[:L]) if exact_pass else L
+    shape = shape[:L] if exact_pass else (shape + (1,) * L)[:L]
+    branch = max(shape) if shape else 1
+    generated, per_pass, candidates = [], [], []
+
+    def read(ids: list[int], n: int) -> tuple[list[int], list[float], list[list[int]]]:
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -n:]  # (n, vocab)
+        tokens, probs = choose(logits)
+        top = logits.topk(branch, dim=-1).indices.tolist()
+        ranked = [[t] + [c for c in row if c != t][: branch - 1] for t, row in zip(tokens.tolist(), top)]
+        return tokens.tolist(), confidence(probs, tokens, metric).tolist(), ranked
+
+    while len(generated) < max_new_tokens:
+        seq = prompt + generated
+        copied = exact.lookup(seq, depth, ngram=3) if exact_pass else []
+        if copied:
+            drafts = [[t] for t in copied]
+        elif candidates[:depth] or not exact_pass:
+            drafts = candidates[:depth]
+        else:
+            drafts = [[t] for t in exact.lookup(seq, depth, ngram=2)]
+        path, ar = [], None  # the held drafts (tokens, ranks), AR's token after them
+        for d, ranked in enumerate(drafts[: len(shape)]):  # depth by depth: a branch holds while AR agrees
+            children = ranked[: shape[d]]
+            ar = read(seq + [t for t, _ in path], 1)[0][-1]
+            if ar not in children:
+                break
+            path.append((ar, children.index(ar)))
+        else:
+            ar = read(seq + [t for t, _ in path], 1)[0][-1]
+        a = len(path)
+        if a == min(len(shape), len(drafts)) and all(r == 0 for _, r in path):  # the main path held (or no drafts)
+            tokens, conf, ranked = read(seq + [t for t, _ in path] + [mask_id] * depth, 1 + depth)
+            n = int(accept_count(torch.tensor(conf), tau, metric))
+            group, candidates = tokens[:n], ranked[n:]
+        elif a == 0:
+            tokens, conf, ranked = read(seq + [mask_id] * depth, 1 + depth)
+            n = int(accept_count(torch.tensor(conf), tau, metric))
+            group, candidates = tokens[:n], ranked[n:]
+        else:
+            group, candidates = [ar], read(seq + [mask_id] * depth, 1 + depth)[2][1 + a :]
+        if _commit([t for t, _ in path] + group, generated, per_pass, max_new_tokens, stop_ids):
+            break
+    return generated, per_pass

@@ -16,6 +16,7 @@ from ..cli import (
     add_model_argument,
     add_precision_argument,
     add_sampling_arguments,
+    add_tree_argument,
     max_fed_text,
 )
 from ..engine.backends.hf import compile_passes
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(agreement_fp32): llama.cpp's quantised weights beside ours")
     add_sampling_arguments(parser, seeds=True)
     add_max_fed_argument(parser)
+    add_tree_argument(parser)
     add_precision_argument(parser)
 
 
@@ -100,6 +102,7 @@ def parse_config(args: argparse.Namespace) -> BenchConfig:
         return BenchConfig(
             taus=taus, batch_sizes=batch_sizes, block_size=args.block_size,
             max_new_tokens=args.max_new_tokens, methods=tuple(_csv(args.methods)), max_fed=args.max_fed,
+            tree=getattr(args, "tree", None),
             fp32_reference=getattr(args, "fp32_reference", False),
         )
     except ValueError as err:
@@ -112,6 +115,8 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
              "--taus", ",".join(f"{t:g}" for t in config.taus), "--batch-sizes", ",".join(map(str, config.batch_sizes)),
              "--max-new-tokens", str(config.max_new_tokens), "--methods", ",".join(config.methods),
              "--max-fed", max_fed_text(config.max_fed), "--out", str(args.out)]
+    if config.tree is not None:
+        parts += ["--tree", config.tree]
     optional = (
         ("--precision", args.precision), ("--block-size", args.block_size), ("--limit", args.limit),
         ("--device", args.device), ("--threads", args.threads),

@@ -7,7 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli import UserError, add_max_fed_argument, add_model_argument, add_precision_argument, add_sampling_arguments
+from ..cli import (
+    UserError,
+    add_max_fed_argument,
+    add_model_argument,
+    add_precision_argument,
+    add_sampling_arguments,
+    add_tree_argument,
+)
 from ..engine.backends.cpu.paths import ComputePath
 from ..engine.checkpoints.loading import default_precision, load_model
 from ..engine.decoding.config import METRICS, MODES, DecodeConfig
@@ -36,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own code to run")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     add_max_fed_argument(parser)
+    add_tree_argument(parser)
     add_precision_argument(parser)
 
 
@@ -50,6 +58,7 @@ def record(prompt: str, result: Generation, model: str, compute: ComputePath | N
                 "tokens": list(s.token_ids),
                 "confidences": [round(c, 6) for c in s.confidences],
                 "origins": list(s.origins),
+                **({"branches": list(s.branches), "shape": list(s.shape)} if s.shape or s.branches else {}),
                 "tau": s.tau, "seconds": round(s.seconds, 6),
             }
             for s in result.steps
@@ -68,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     config = DecodeConfig(
         mode=args.mode, tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens,
         metric=args.metric, temperature=args.temperature, stop=tuple(args.stop), seed=args.seed,
-        max_fed=args.max_fed, top_p=args.top_p, top_k=args.top_k,
+        max_fed=args.max_fed, top_p=args.top_p, top_k=args.top_k, tree=args.tree,
     )  # validates every value before the model loads
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():

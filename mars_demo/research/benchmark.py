@@ -80,6 +80,7 @@ class BenchConfig:
     profile_tau: float = 0.9
     max_fed: int | str | None = "auto"  # single-sequence MARS only; see DecodeConfig
     fp32_reference: bool = False  # add agreement_fp32: each batch-1 run against our AR on the fp32 path
+    tree: str | None = None  # mars_exact only (one sequence): candidate trees; see DecodeConfig
 
     def __post_init__(self) -> None:
         if not self.taus:
@@ -92,7 +93,8 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"unknown method(s) {', '.join(sorted(unknown))}; known: {', '.join(KNOWN)}")
         # the same checks a decode with these settings gets
-        DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens, max_fed=self.max_fed)
+        DecodeConfig(block_size=self.block_size, max_new_tokens=self.max_new_tokens, max_fed=self.max_fed,
+                     tree=self.tree)
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,8 @@ def run_job(
         return run_hf(lm, prompts, 1, max_new, tick, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
     mode = "ar" if job.method in AR_METHODS else "exact" if job.method in ("mars_exact", "exact_batch") else "mars"
     decode = DecodeConfig(
-        mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new, max_fed=config.max_fed
+        mode=mode, tau=job.tau, block_size=config.block_size, max_new_tokens=max_new, max_fed=config.max_fed,
+        tree=config.tree if job.method == "mars_exact" else None,  # batches verify chains
     )
     if job.method in ("ar", "mars", "mars_exact"):
         return run_single(lm, prompts, decode, tick)

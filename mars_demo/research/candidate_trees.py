@@ -1,4 +1,5 @@
-"""Would exact mode gain from verifying a tree of the masks' candidates? Measured before it is built (issue #37).
+"""Would exact mode gain from verifying a tree of the masks' candidates? Measured before it was built (issue #37;
+the trees themselves: engine/decoding/tree.py, ``DecodeConfig.tree``).
 
 Teacher-forced on held-out rows (``validate --trees``): at every full block, mask d (d = 1 .. B - 1)
 guesses the row's token d places past the AR token, and ``ranks[:, d - 1]`` is where the row's token
@@ -16,17 +17,13 @@ measured curve (ms by tokens fed), extended along its last step past the widest 
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
 
-MAX_BRANCH = 3  # candidates per depth a tree may take
+from ..engine.decoding.tree_shape import MAX_BRANCH, nodes  # the shapes exact mode verifies (decoding/tree.py)
 
-
-def nodes(shape: tuple[int, ...]) -> int:
-    """Drafts a tree of ``shape`` feeds: b_1 + b_1 b_2 + ... (a chain of depth D: D)."""
-    return sum(math.prod(shape[: d + 1]) for d in range(len(shape)))
+__all__ = ["MAX_BRANCH", "Shape", "best", "evaluate", "held", "hit_rates", "nodes", "pass_ms", "shapes"]
 
 
 def held(ranks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -61,7 +61,7 @@ def decode_config(job: SampledJob, config: BenchConfig, sampling: Sampling, seed
     return DecodeConfig(
         mode=MODES[job.method], tau=job.tau, block_size=config.block_size, max_new_tokens=max_new,
         max_fed=config.max_fed, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        seed=seed,
+        seed=seed, tree=config.tree if MODES[job.method] == "exact" else None,
     )
 
 

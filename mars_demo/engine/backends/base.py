@@ -55,6 +55,11 @@ class KVCache(ABC):
     def drop_front(self, columns: int) -> None:
         """Drop the first ``columns`` columns of every row (holes every row has left behind)."""
 
+    @abstractmethod
+    def compact(self, start: int, columns: list[int]) -> None:
+        """Keep the first ``start`` columns, then the listed absolute ``columns`` (increasing, each >= start) moved
+        to start, start + 1, ...; drop every other column. A candidate tree's kept path (decoding/tree.py)."""
+
 
 class Backend(ABC):
     """One model, as the decoders see it (module docstring).
@@ -100,3 +105,11 @@ class Backend(ABC):
     def costs_ms(self) -> dict[int, float] | None:
         """The measured pass-cost curve (ms by tokens fed), None where nothing was measured."""
         return getattr(self.compute, "costs_ms", None)
+
+
+def check_compaction(start: int, columns: list[int], end: int) -> list[int]:
+    """KVCache.compact's columns, checked: increasing, each at or after ``start`` and before ``end``."""
+    columns = [int(c) for c in columns]
+    if not 0 <= start <= end or any(not start <= c < end for c in columns) or columns != sorted(set(columns)):
+        raise ValueError(f"compact: columns must increase within [{start}, {end}), got {columns}")
+    return columns

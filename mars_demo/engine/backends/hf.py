@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from .base import Backend, KVCache, left_holes
+from .base import Backend, KVCache, check_compaction, left_holes
 from .placement import input_device
 
 
@@ -63,6 +63,14 @@ class HFCache(KVCache):
         if columns > 0:
             for layer in self._layers():
                 layer.keys, layer.values = layer.keys[:, :, columns:], layer.values[:, :, columns:]
+
+    def compact(self, start: int, columns: list[int]) -> None:
+        """A dynamic cache's layers (each on its own device) rebuilt from their first ``start`` columns and the kept."""
+        columns = check_compaction(start, columns, self.get_seq_length())
+        for layer in self._layers():
+            index = torch.tensor(columns, dtype=torch.long, device=layer.keys.device)
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys.index_select(2, index)], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values.index_select(2, index)], dim=2)
 
 
 class TransformersBackend(Backend):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from .sampling import Sampling, check_temperature, check_top_k, check_top_p
+from .tree_shape import parse_tree
 
 Mode = Literal["mars", "ar", "exact", "hybrid"]
 Metric = Literal["probability", "entropy", "margin"]
@@ -54,6 +55,11 @@ class DecodeConfig:
       on the cost surface), the full window where nothing is measured. None: the paper's full
       window. An integer N: at most N tokens fed (last pass's tokens + masks; at least one mask;
       the prefill always gets B-1). docs/METHOD.md, "Width".
+    tree: exact and hybrid modes only (other modes do not read it): None verifies a chain of drafts (the
+      masks' top guesses; exact.DraftDepth picks its depth), "auto" a tree of the masks' candidates whose
+      shape is chosen before every pass by expected tokens per ms (tree_shape.TreeShape: a chain where
+      width costs), a shape "2,1,1" that tree always (b_d candidates per depth). At a temperature, exact mode
+      only (recursive rejection; hybrid is refused). docs/METHOD.md, "Candidate trees".
     """
 
     mode: Mode = "mars"
@@ -67,6 +73,7 @@ class DecodeConfig:
     max_fed: int | Literal["auto"] | None = "auto"
     top_p: float = 1.0
     top_k: int = 0
+    tree: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +92,9 @@ class DecodeConfig:
             not isinstance(self.max_fed, int) or isinstance(self.max_fed, bool) or self.max_fed < 2
         ):
             raise ValueError(f"max fed must be 'auto', None or an integer of at least 2, got {self.max_fed!r}")
+        parse_tree(self.tree)
+        if self.tree is not None and self.temperature > 0 and self.mode == "hybrid":
+            raise ValueError("candidate trees at a temperature: exact mode only (hybrid verifies chains there)")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a tuple of non-empty strings")
 

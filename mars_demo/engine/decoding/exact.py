@@ -15,7 +15,7 @@ same pass is read by the speculative-sampling rule instead (speculative.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,6 +84,7 @@ class Verdict:
     cached: int
     drafts: list[int]
     proposal: torch.Tensor | None = None
+    branches: list[int] = field(default_factory=list)  # candidate trees (tree.py) only: per token its node's rank
 
 
 def verify(logits: torch.Tensor, drafts: list[int], lookahead: int, tau: float, metric: str) -> Verdict:

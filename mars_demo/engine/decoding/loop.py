@@ -23,13 +23,14 @@ from transformers import PreTrainedTokenizerBase
 from ..backends.base import Backend, KVCache
 from ..backends.placement import SeededGenerator
 from ..model import LoadedModel
-from . import exact, speculative
+from . import exact, speculative, tree
 from .acceptance import accept_prefix
 from .chat import prompt_ids
 from .commit import commit_tokens, cut_at_stop_string
 from .config import VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .metrics import Rates
 from .sampling import Sampling
+from .tree_shape import TreeShape, parse_tree
 from .width import OneRow, Surface, WidthController
 
 
@@ -66,6 +67,10 @@ class StepEvent:
     stats: RunStats | None = None  # totals, on the final event only
     origins: tuple[str, ...] = ()  # per token: exact.AR, exact.DRAFT (verified) or exact.MASK (confidence)
     width: int = 0  # tokens the pass fed past the newest accepted one, plus one (1: an AR pass)
+    # candidate trees (DecodeConfig.tree) only: per token the rank of the tree node it was among its mask's
+    # candidates (0: the top guess; tree.NOT_A_NODE for AR's token and masks), and the shape the pass verified
+    branches: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()
 
     @property
     def text(self) -> str:
@@ -109,6 +114,8 @@ class _Pass:
     origins: list[str]
     cached: int  # the cache's length after the pass (a 0-d tensor for a static cache: read it, it syncs)
     width: int = 0  # as StepEvent.width
+    branches: list[int] = field(default_factory=list)  # as StepEvent.branches
+    shape: tuple[int, ...] = ()  # as StepEvent.shape
 
 
 def eos_ids(backend: Backend, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -232,36 +239,65 @@ def decode_passes(
     # verifying passes take 4-D masks, which a compiled backend's static cache does not: no size for it
     cache = backend.new_cache(None if verifying else len(prompt) + max_new_tokens + window)
     pending = [*prompt]  # fed next pass, not yet in the cache: the prompt first, then the tokens accepted last pass
-    drafts, proposal = [], None  # verifying: guesses for the tokens after ``pending``; at a temperature their q
-    depths = exact.DraftDepth(window - 1, backend.costs_ms())
+    verifier = verifier_for(backend, config, window, mask_id, rule) if verifying else None
     history, produced = [*prompt], 0  # every committed token (where exact mode looks up drafts), their count
     while True:
         tau_now = tau.get()
         started = time.perf_counter()
-        if verifying:
-            # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
-            depth, fallback = depths.layout() if tau_now >= 1.0 else (window - 1, True)
-            drafts, proposal = speculative.pick_drafts(history, drafts, proposal, depth, tau_now >= 1.0)
-            verdict, width = verify_pass(backend, cache, pending, drafts, depth, mask_id, tau_now, metric, fallback,
-                                         rule, proposal)
-            depths.observe(len(drafts), verdict.cached)
-            tokens, confs, origins = verdict.tokens, verdict.confidences, verdict.origins
-            drafts, proposal, pending = verdict.drafts, verdict.proposal, tokens[verdict.cached :]
+        if verifier is not None:
+            verdict, width, shape = verifier.step(backend, cache, pending, history, tau_now, metric)
+            tokens, confs, origins, branches = verdict.tokens, verdict.confidences, verdict.origins, verdict.branches
+            pending = tokens[verdict.cached :]
         else:
             chosen = widths.choose(tau_now, max_new_tokens - produced, len(pending), produced) if widths else None
             tokens, confs, width = mars_pass(backend, cache, pending, masks, tau_now, metric, rule.sampling,
                                              generator, max_fed if produced else None, produced > 0, chosen)
             if chosen is not None:
                 widths.observe(tau_now, chosen, len(tokens))
-            origins = [exact.AR] + [exact.MASK] * (len(tokens) - 1)
+            origins, branches, shape = [exact.AR] + [exact.MASK] * (len(tokens) - 1), [], ()
             pending = tokens
         tokens, finish = commit_tokens(tokens, max_new_tokens - produced, stop_ids)
         produced += len(tokens)
         history += tokens
         seconds, n = time.perf_counter() - started, len(tokens)
-        yield _Pass(tokens, confs[:n], tau_now, seconds, finish, origins[:n], cache.get_seq_length(), width)
+        yield _Pass(tokens, confs[:n], tau_now, seconds, finish, origins[:n], cache.get_seq_length(), width,
+                    branches[:n], shape)
         if finish:
             return
+
+
+@dataclass
+class ChainRun:
+    """A run's chain verification (exact.py): the next drafts, at a temperature their q, and DraftDepth."""
+
+    depths: exact.DraftDepth
+    window: int  # B
+    mask_id: int
+    rule: speculative.Rule
+    drafts: list[int] = field(default_factory=list)  # guesses for the tokens after the pending ones
+    proposal: torch.Tensor | None = None
+
+    def step(
+        self, backend: Backend, cache: KVCache, pending: list[int], history: list[int], tau: float, metric: str
+    ) -> tuple[exact.Verdict, int, tuple[int, ...]]:
+        """One verifying pass; its verdict, width and shape (a chain: one 1 per draft)."""
+        # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
+        depth, fallback = self.depths.layout() if tau >= 1.0 else (self.window - 1, True)
+        drafts, proposal = speculative.pick_drafts(history, self.drafts, self.proposal, depth, tau >= 1.0)
+        verdict, width = verify_pass(backend, cache, pending, drafts, depth, self.mask_id, tau, metric, fallback,
+                                     self.rule, proposal)
+        self.depths.observe(len(drafts), verdict.cached)
+        self.drafts, self.proposal = verdict.drafts, verdict.proposal
+        return verdict, width, (1,) * len(drafts)
+
+
+def verifier_for(backend: Backend, config: DecodeConfig, window: int, mask_id: int, rule: speculative.Rule):
+    """A verifying run's passes: a chain (ChainRun), or candidate trees (tree.TreeRun) where ``config.tree`` asks."""
+    shape, costs = parse_tree(config.tree), backend.costs_ms()
+    if shape is None:
+        return ChainRun(exact.DraftDepth(window - 1, costs), window, mask_id, rule)
+    fixed = None if shape == "auto" else shape
+    return tree.TreeRun(TreeShape(window - 1, costs, fixed), window, mask_id, rule)
 
 
 class Detokenizer:
@@ -352,6 +388,8 @@ def _events(passes: Iterator[_Pass], detok: Detokenizer, stops: tuple[str, ...])
             stats=stats,
             origins=tuple(step.origins[: len(step.tokens)]),
             width=step.width,
+            branches=tuple(step.branches[: len(step.tokens)]),
+            shape=step.shape,
         )
         if finish:
             return

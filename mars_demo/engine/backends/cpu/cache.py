@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import KVCache, left_holes
+from ..base import KVCache, check_compaction, left_holes
 
 SLACK = 256  # columns a buffer is allocated beyond what it holds (and at least half as many again)
 
@@ -142,6 +142,16 @@ class CpuCache(KVCache):
             rows = self.buffers[0][0].shape[0]
             self.bases = [(k[:, :, columns:], v[:, :, columns:]) for k, v in self.bases]
             self.buffers = [(k[:rows], v[:rows]) for k, v in self.bases]
+
+    def compact(self, start: int, columns: list[int]) -> None:
+        """In place: the listed columns are copied down to ``start`` (none where they are there already)."""
+        columns = check_compaction(start, columns, self.end)
+        if columns != list(range(start, start + len(columns))):
+            index = torch.tensor(columns, dtype=torch.long, device=self.buffers[0][0].device)
+            for k, v in self.buffers:
+                k[:, :, start : start + len(columns)] = k.index_select(2, index)  # a copy first: overlap is safe
+                v[:, :, start : start + len(columns)] = v.index_select(2, index)
+        self.end = start + len(columns)
 
 
 def moves_in_place(order: list[int], rows: int) -> bool:

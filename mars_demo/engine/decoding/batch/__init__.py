@@ -56,6 +56,8 @@ def decode_batch(
     """Token space: decode ``prompts`` (token ids) with ``scheme``; ``settings`` as in token_passes (controller)."""
     if scheme not in SCHEMES:
         raise ValueError(f"batch scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if config.tree is not None and config.mode in VERIFYING_MODES:
+        raise ValueError("candidate trees (tree) verify one sequence at a time: a batch verifies chains (tree None)")
     spec = BatchSpec(block_size, mask_id, pad_id, tau, frozenset(stop_ids))
     return SCHEMES[scheme](backend, prompts, config, spec, **settings)
 
