@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .acceptance import accept_count, greedy_confidence
+from .acceptance import greedy_confidence
 
 # Where a committed token came from: the AR head of the pass, a verified draft, a mask accepted on confidence.
 AR, DRAFT, MASK = "ar", "draft", "mask"
@@ -93,33 +94,42 @@ def verify(logits: torch.Tensor, drafts: list[int], lookahead: int, tau: float, 
     Rows: 0 the newest pending token, 1..d the drafts, then L main masks, then the
     fallback masks (L or none). One host sync.
     """
-    d, L = len(drafts), lookahead
-    g = logits.shape[0] - (1 + d + L)
     tokens, conf = greedy_confidence(logits, metric)  # (keep,), (keep,)
-    held = (tokens[:d] == torch.tensor(drafts, dtype=torch.long, device=tokens.device)).long().cumprod(0).sum()
-    main = slice(d, d + 1 + L)  # the AR token after the last draft, then the main masks' guesses
-    fallback = torch.cat([tokens[:1], tokens[d + 1 + L :]]), torch.cat([conf[:1], conf[d + 1 + L :]])
-    n_main = accept_count(conf[main], tau, metric)
-    n_fallback = accept_count(fallback[1], tau, metric)
-    packed = torch.cat([
-        tokens.double(), conf.double(), fallback[0].double(), fallback[1].double(),
-        torch.stack([held, n_main, n_fallback]).double(),
-    ]).tolist()
-    keep = tokens.shape[0]
-    tok, cf = [int(t) for t in packed[:keep]], packed[keep : 2 * keep]
-    fb_tok, fb_cf = [int(t) for t in packed[2 * keep : 2 * keep + 1 + g]], packed[2 * keep + 1 + g : -3]
-    a, n_main, n_fallback = (int(x) for x in packed[-3:])
+    return read_verdict(tokens.tolist(), conf.tolist(), drafts, lookahead, tau, metric)
+
+
+def read_verdict(
+    tok: list[int], cf: list[float], drafts: list[int], lookahead: int, tau: float, metric: str
+) -> Verdict:
+    """``verify`` on the host: each row's greedy token and its (fp32) confidence, read in one sync for a whole batch."""
+    d, L = len(drafts), lookahead
+    a = 0  # drafts held: the leading drafts equal to the AR token before them
+    while a < d and tok[a] == drafts[a]:
+        a += 1
     out_tokens, out_conf = drafts[:a], cf[:a]  # a draft's confidence: the AR probability that verified it
     origins = [DRAFT] * a
     if a == d:  # every draft held: the main group starts at the newest verified token
-        group_tok, group_cf, n = tok[d : d + 1 + L], cf[d : d + 1 + L], n_main
+        group_tok, group_cf = tok[d : d + 1 + L], cf[d : d + 1 + L]
     elif a == 0:  # the first draft failed: the fallback group starts at the newest pending token
-        group_tok, group_cf, n = fb_tok, fb_cf, n_fallback
+        group_tok, group_cf = tok[:1] + tok[d + 1 + L :], cf[:1] + cf[d + 1 + L :]
     else:  # a later draft failed: the AR token corrects it; the fallback guesses past it are the next drafts
-        return Verdict(out_tokens + [tok[a]], out_conf + [cf[a]], origins + [AR], a, fb_tok[1 + a :])
+        return Verdict(out_tokens + [tok[a]], out_conf + [cf[a]], origins + [AR], a, tok[d + 1 + L + a :])
+    n = accepted(group_cf, tau, metric)
     return Verdict(
         out_tokens + group_tok[:n], out_conf + group_cf[:n], origins + [AR] + [MASK] * (n - 1), a, group_tok[n:]
     )
+
+
+def accepted(confidences: list[float], tau: float, metric: str = "probability") -> int:
+    """acceptance.accept_count of one row of fp32 confidences read to the host: tau compared in fp32, as torch's
+    comparison of an fp32 tensor with a Python float does."""
+    if tau >= 1.0 or not confidences:
+        return min(1, len(confidences))
+    tau = float(np.float32(tau))
+    n = 1  # candidate 1 is the AR token: always accepted
+    while n < len(confidences) and (confidences[n] <= tau if metric == "entropy" else confidences[n] >= tau):
+        n += 1
+    return n
 
 
 class DraftDepth:

@@ -24,7 +24,7 @@ import torch
 from ...backends.base import Backend
 from ...backends.placement import SeededGenerator
 from .. import exact, speculative
-from ..acceptance import accept_rows
+from ..acceptance import accept_rows, greedy_confidence
 from ..config import VERIFYING_MODES, DecodeConfig
 from ..sampling import Sampling
 from ..width import GAIN, Hits, WidthController
@@ -87,16 +87,20 @@ def verify_rows(
     logits: (A, 1 + max drafts + L + fallback, vocab); a row's newest pending token is at column max - d.
     """
     most = max(map(len, drafts))
+    if rule is None or rule.sampling.greedy:  # every row's greedy tokens and confidences in one call and one sync
+        tokens, conf = (t.tolist() for t in greedy_confidence(logits, metric))
     verdicts = []
     for r, d in enumerate(drafts):
-        start = most - len(d)
+        start, fallback = most - len(d), slice(-L, None) if d else slice(0, 0)
+        if rule is None or rule.sampling.greedy:
+            tok, cf = tokens[r], conf[r]
+            verdicts.append(exact.read_verdict(tok[start : start + 1 + len(d) + L] + tok[fallback],
+                                               cf[start : start + 1 + len(d) + L] + cf[fallback], d, L, tau, metric))
+            continue
         rows = logits[r, start : start + 1 + len(d) + L]
         if d:
             rows = torch.cat([rows, logits[r, -L:]])
-        if rule is None or rule.sampling.greedy:
-            verdicts.append(exact.verify(rows, d, L, tau, metric))  # one host sync per row
-        else:
-            verdicts.append(rule.verify(rows, d, L, tau, metric, proposals[r]))
+        verdicts.append(rule.verify(rows, d, L, tau, metric, proposals[r]))
     return verdicts
 
 
