@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
@@ -104,3 +105,19 @@ def test_an_entry_is_named_by_what_its_bits_depend_on(tiny_llama, cache):
               stored.entry(cache, "weights v1", "tiny", "int8", None),
               stored.entry(cache, "weights v1", "tiny", "int8dyn", {"a": torch.full((3,), 2.0)})]
     assert name not in others and len(set(others)) == 3
+
+
+def test_a_merged_adapter_is_not_stored_as_its_base(model_dir, cache, tmp_path):
+    """An adapter merged at load changes the weights its base's files name: its conversion must not be stored."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["q_proj"]))
+    for name, parameter in lora.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter)  # a merge that changes the weights
+    lora.save_pretrained(tmp_path / "adapter")
+    config = tmp_path / "adapter" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": model_dir}))
+    loading.load_model(str(tmp_path / "adapter"), precision="int8dyn")
+    assert not list((cache / stored.FOLDER).glob("*.safetensors"))

@@ -366,7 +366,7 @@ def load_model(
         tokenizer = _tokenizer(base, trust)
         meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
         found = warm.load(base, _stock_config(base, trust), precision, block_size=meta.block_size, rows=rows,
-                          rate=decode_rate)
+                          rate=decode_rate, trust_remote_code=trust)
         if found is not None:
             logger.info("compute path: %s (stored conversion)", found[1].summary())
             return _finish(found[0], tokenizer, meta, spec, started, found[1])
@@ -374,14 +374,14 @@ def load_model(
     if adapter_dir is not None:
         model = _merge_adapter(model, adapter_dir)
         if adapter_dir == BUNDLED_ADAPTER and dtype == torch.float32:
-            base = str(merged_bundled_dir())
+            base, keep = str(merged_bundled_dir()), on_path  # the merged weights now have files of their own
             _save_atomically(model, tokenizer, Path(base))
             model.config._name_or_path = base  # named (compute table key) as later loads from it
     model.eval()
     meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
     compute = None
     if on_path:
-        inputs = warm.smoothing_inputs(model) if Path(base).is_dir() else None
+        inputs = warm.smoothing_inputs(model) if keep else None  # not a base's entry for a merged adapter
         compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir(), rows=rows,
                          rate=decode_rate)
         logger.info("compute path: %s", compute.summary())

@@ -42,10 +42,10 @@ def source(directory: str) -> str:
     return "\n".join(parts)
 
 
-def skeleton(directory: str, config: PretrainedConfig) -> PreTrainedModel:
+def skeleton(directory: str, config: PretrainedConfig, trust_remote_code: bool = False) -> PreTrainedModel:
     """The checkpoint's fp32 model with every tensor on the meta device: its modules, no weights, no allocation."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model.config._name_or_path = directory  # as from_pretrained names it: the cost table's and the ranges' key
     if Path(directory, "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)
@@ -76,11 +76,15 @@ def _entry(directory: str, path: str, inputs: tuple[str, dict | None]) -> tuple[
 
 def load(
     directory: str, config: PretrainedConfig, precision: str, *, block_size: int, rows: int,
-    rate: Callable[[dict[int, float], int], float],
+    rate: Callable[[dict[int, float], int], float], trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, ComputePath] | None:
     """The checkpoint in ``directory`` on the path the cached table chooses, from its stored conversion; None
     where there is none to use (module docstring)."""
-    model = skeleton(directory, config)
+    try:
+        model = skeleton(directory, config, trust_remote_code)
+    except (ValueError, TypeError, OSError, ImportError) as error:  # the converting path says why, if it fails too
+        logger.info("no skeleton of %s on the meta device (%s): converting", directory, error)
+        return None
     compute = from_table(model, precision, block_size=block_size, table_dir=cache_dir(), rows=rows, rate=rate)
     found = None if compute is None else _entry(directory, compute.path, smoothing_inputs(model))
     if found is None or not found[0].is_file():
