@@ -108,6 +108,7 @@ def test_a_warm_load_rebuilds_the_bundled_conversion_bit_for_bit(monkeypatch):
     with monkeypatch.context() as fresh_start:
         fresh_start.setattr(warm, "load", lambda *args, **kwargs: None)  # convert, and store the result
         fresh = load_model(precision="int8dyn")
+    warm.wait_stored()
     if not stored.storable(fresh.model):
         pytest.skip("no native int8 kernel here: nothing stored")
     monkeypatch.setattr(loading, "select", lambda *args, **kwargs: pytest.fail("converted again"))

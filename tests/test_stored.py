@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from mars_demo.engine.backends import backend_for
 from mars_demo.engine.backends.cpu import int8gemm, native_layers, rowattn, stored
 from mars_demo.engine.backends.cpu.paths import activation_ranges, convert, token_ids
-from mars_demo.engine.checkpoints import loading
+from mars_demo.engine.checkpoints import loading, warm
 
 from conftest import CORPUS, PROMPTS
 
@@ -75,21 +75,23 @@ def test_a_file_that_does_not_fit_the_model_is_refused(tiny_llama, tiny_qwen, tm
 
 def test_a_warm_load_reads_the_stored_conversion_and_a_broken_one_is_made_again(model_dir, cache, monkeypatch, caplog):
     first = loading.load_model(model_dir, precision="int8dyn")
+    warm.wait_stored()
     entries = list((cache / stored.FOLDER).glob("*.safetensors"))
     if not entries:
         pytest.skip("no native int8 kernel here: nothing stored")
     real_select = loading.select
     monkeypatch.setattr(loading, "select", lambda *args, **kwargs: pytest.fail("converted again"))
-    warm = loading.load_model(model_dir, precision="int8dyn")
-    assert warm.compute.path == "int8dyn" and warm.compute.cached
-    assert torch.equal(_logits(first.model, first.tokenizer), _logits(warm.model, warm.tokenizer))
-    assert warm.model.config.to_dict() == first.model.config.to_dict()
-    assert warm.model.generation_config.to_dict() == first.model.generation_config.to_dict()
+    rebuilt = loading.load_model(model_dir, precision="int8dyn")
+    assert rebuilt.compute.path == "int8dyn" and rebuilt.compute.cached
+    assert torch.equal(_logits(first.model, first.tokenizer), _logits(rebuilt.model, rebuilt.tokenizer))
+    assert rebuilt.model.config.to_dict() == first.model.config.to_dict()
+    assert rebuilt.model.generation_config.to_dict() == first.model.generation_config.to_dict()
 
     monkeypatch.setattr(loading, "select", real_select)
     entries[0].write_bytes(b"half a file")
     with caplog.at_level(logging.WARNING):
         again = loading.load_model(model_dir, precision="int8dyn")
+        warm.wait_stored()
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "stored conversion" in warned[0] and warned[0].endswith("converting again")
     assert torch.equal(_logits(first.model, first.tokenizer), _logits(again.model, again.tokenizer))
@@ -120,4 +122,5 @@ def test_a_merged_adapter_is_not_stored_as_its_base(model_dir, cache, tmp_path):
     config = tmp_path / "adapter" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": model_dir}))
     loading.load_model(str(tmp_path / "adapter"), precision="int8dyn")
+    warm.wait_stored()
     assert not list((cache / stored.FOLDER).glob("*.safetensors"))

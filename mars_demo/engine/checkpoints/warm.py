@@ -11,6 +11,7 @@ fit) sends the load down the converting path, with one logged line where a file 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from ..machine import cache_dir
 logger = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("*.safetensors", "*.bin")
+_writers: list[threading.Thread] = []  # store's threads not yet waited for
 
 
 def source(directory: str) -> str:
@@ -100,8 +102,20 @@ def load(
 
 def store(model: PreTrainedModel, compute: ComputePath, directory: str, inputs: tuple[str, dict | None]) -> None:
     """Keep ``model``, just converted to ``compute.path``, for the next start (``inputs``: ``smoothing_inputs`` of
-    it before converting)."""
+    it before converting).
+
+    Written by a thread, so that the first start's model is ready meanwhile: it only reads the tensors, which
+    no one writes after the conversion, and the process waits for it at exit (not a daemon). ``wait_stored``
+    waits for it sooner.
+    """
     found = _entry(directory, compute.path, inputs)
     if found is not None and stored.storable(model):
-        progress.report("storing the converted model for the next start")
-        stored.save(model, found[0])
+        writer = threading.Thread(target=stored.save, args=(model, found[0]), name="store the conversion")
+        _writers.append(writer)
+        writer.start()
+
+
+def wait_stored() -> None:
+    """Wait until the conversions being stored are written (tests, and a load timed right after another)."""
+    while _writers:
+        _writers.pop().join()

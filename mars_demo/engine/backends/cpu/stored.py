@@ -15,10 +15,12 @@ stored: ``storable`` says so and the model converts as before.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1  # bumped when what ``save`` writes changes
 FOLDER = "converted"
+STALE_SECONDS = 3600  # a staging file this old has no writer left
 KERNEL_TENSORS = ("packed", "sums", "scales", "bias")  # int8gemm.Weights' tensors
 _CODE = (Path(quant.__file__), Path(int8gemm.__file__))  # the conversion and the packing: their text keys entries
 
@@ -97,6 +100,10 @@ def save(model: PreTrainedModel, file: Path) -> bool:
         else:
             tensors[name] = tensor.detach().contiguous()
     file.parent.mkdir(parents=True, exist_ok=True)
+    for stale in file.parent.glob("*.tmp*"):  # a writer that died (a process killed while it wrote)
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime > STALE_SECONDS:
+                stale.unlink()
     staging = file.with_name(file.name + f".tmp{os.getpid()}")
     try:
         save_file(tensors, staging, metadata={"format": str(FORMAT), "aliases": json.dumps(aliases)})
