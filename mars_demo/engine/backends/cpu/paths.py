@@ -391,7 +391,10 @@ def from_table(
     return _chosen(entry, precision, paths, rows=rows, block_size=block_size, rate=rate, cached=True)
 
 
-def _chosen(entry: dict, precision: str, paths: tuple, *, rows: int, block_size: int, rate, cached: bool):
+def _chosen(
+    entry: dict, precision: str, paths: tuple, *, rows: int, block_size: int, rate, cached: bool,
+) -> ComputePath:
+    """The ComputePath that a table entry holding every path of ``paths`` chooses (``choose_path`` for auto)."""
     chosen = precision
     if precision == "auto":
         chosen = choose_path({p: entry[p] for p in paths}, rows=rows, block_size=block_size, rate=rate)
@@ -424,10 +427,10 @@ def select(
     if found is None:
         candidates = _Candidates(model, token_ids(tokenizer, calibration_texts()), ranges)
         entry = survey(paths, widths, candidates.curve, candidates.dnll)
-        table = _read_table(table_dir / TABLE_FILE)
-        table[table_key(model, widths)] = {**table.get(table_key(model, widths), {}), **entry}
+        key, table = table_key(model, widths), _read_table(table_dir / TABLE_FILE)
+        table[key] = {**table.get(key, {}), **entry}  # another process may have measured other paths meanwhile
         _write_atomically(table_dir / TABLE_FILE, json.dumps(table, indent=1) + "\n")
-        found = _chosen(table[table_key(model, widths)], precision, paths, rows=rows, block_size=block_size,
+        found = _chosen(table[key], precision, paths, rows=rows, block_size=block_size,
                         rate=rate, cached=False)
         converted = candidates.keep_only(found.path)
     progress.report(f"putting the model on {found.path}")
