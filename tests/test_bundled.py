@@ -98,3 +98,22 @@ def test_the_shipped_int8dyn_ranges_are_the_bundled_models_own(bundled, tiny_lla
     fresh = paths.activation_ranges(bundled.model, paths.token_ids(bundled.tokenizer, paths.smoothing_texts()))
     assert set(shipped) == set(fresh)
     assert all(torch.allclose(shipped[k], fresh[k], rtol=1e-4, atol=0) for k in fresh)  # float rounding apart
+
+
+def test_a_warm_load_rebuilds_the_bundled_conversion_bit_for_bit(monkeypatch):
+    """The app's warm start reads the stored int8dyn conversion (checkpoints/warm.py): the same logits as converting."""
+    from mars_demo.engine.backends.cpu import stored
+    from mars_demo.engine.checkpoints import loading, warm
+
+    with monkeypatch.context() as fresh_start:
+        fresh_start.setattr(warm, "load", lambda *args, **kwargs: None)  # convert, and store the result
+        fresh = load_model(precision="int8dyn")
+    warm.wait_stored()
+    if not stored.storable(fresh.model):
+        pytest.skip("no native int8 kernel here: nothing stored")
+    monkeypatch.setattr(loading, "select", lambda *args, **kwargs: pytest.fail("converted again"))
+    rebuilt = load_model(precision="int8dyn")
+    assert rebuilt.compute.cached and rebuilt.meta == fresh.meta
+    ids = torch.tensor([prompt_ids(fresh.tokenizer, "Name three colours.")])
+    with torch.inference_mode():
+        assert torch.equal(fresh.backend.forward(ids, None, keep=0), rebuilt.backend.forward(ids, None, keep=0))

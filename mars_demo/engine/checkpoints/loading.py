@@ -50,7 +50,7 @@ from ..backends.cpu.paths import check_precision, prebuild, select
 from ..decoding.exact import decode_rate
 from ..machine import ASSETS, cache_dir
 from ..model import LoadedModel, MarsMeta
-from . import gguf_llama
+from . import gguf_llama, warm
 
 logger = logging.getLogger(__name__)
 
@@ -264,12 +264,18 @@ def _load_plain(spec: str, device: torch.device, dtype: torch.dtype, trust_remot
         kwargs["device_map"] = "auto" if device.index is None else {"": device}
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(err)}") from None
     if device.type != "cuda":
         model.to(device)
-    return model, tokenizer
+    return model, _tokenizer(spec, trust_remote_code)
+
+
+def _tokenizer(spec: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load model {spec!r}: {_first_line(err)}") from None
 
 
 def _merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
@@ -299,6 +305,31 @@ def _base_and_adapter(spec: str) -> tuple[str, Path | None]:
     return spec, None
 
 
+def _source(spec: str, dtype: torch.dtype) -> tuple[str, Path | None, bool]:
+    """(what to load the weights from, the adapter to merge or None, whether the source is ours: no remote code)."""
+    base, adapter_dir = _base_and_adapter(spec)
+    merged_cache = merged_bundled_dir() if adapter_dir == BUNDLED_ADAPTER and dtype == torch.float32 else None
+    if merged_cache is not None and (merged_cache / "model.safetensors").is_file():
+        return str(merged_cache), None, True
+    if base == BUNDLED_BASE:
+        return str(bundled_base_dir()), adapter_dir, True
+    if Path(base).exists() or re.fullmatch(r"[\w.-]+/[\w.-]+", base):
+        return base, adapter_dir, False
+    raise ModelLoadError(
+        f"unknown model {spec!r}: not {BUNDLED!r}, {BUNDLED_BASE!r}, an existing directory or a hub id"
+    )
+
+
+def _finish(model, tokenizer, meta: MarsMeta, spec: str, started: float, compute=None) -> LoadedModel:
+    if model.device.type == "cpu":  # the greedy kernel loaded now, not on the first pass decoded (the first race's)
+        greedy_kernel()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    seconds = time.perf_counter() - started
+    logger.info("loaded %s in %.1f s (%s, %s)", spec, seconds, model.device, model.dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, meta=meta, name=spec, load_seconds=seconds, compute=compute)
+
+
 def load_model(
     spec: str | None = None,
     *,
@@ -314,51 +345,49 @@ def load_model(
     ``precision`` (auto, fp32, bf16, int8, int8dyn) puts a CPU model on a measured compute path
     (backends/cpu/paths.py) for decoding; its weights must not change afterwards (no training, no
     merging). None loads plain fp32 on a CPU (training, data), bf16 on a GPU. ``rows``: the
-    sequences the model will decode at once (auto chooses the path cheapest for that batch).
+    sequences the model will decode at once (auto chooses the path cheapest for that batch). A local
+    checkpoint's conversion is stored and read back on later loads (warm.py).
     """
     started = time.perf_counter()
     spec = spec or BUNDLED
     if precision is not None:
         precision = check_precision(precision)
     dev, dtype = pick_device(device, precision)
-    if precision is not None and dev.type == "cpu":
+    on_path = precision is not None and dev.type == "cpu"
+    if on_path:
         prebuild()  # the compiler runs while the weights load and convert
-    base, adapter_dir = _base_and_adapter(spec)
-    merged_cache = merged_bundled_dir() if adapter_dir == BUNDLED_ADAPTER and dtype == torch.float32 else None
-    if merged_cache is not None and (merged_cache / "model.safetensors").is_file():
-        model, tokenizer = _load_plain(str(merged_cache), dev, dtype, False)
-        base, adapter_dir, merged_cache = str(merged_cache), None, None
-    elif base == BUNDLED_BASE:
-        model, tokenizer = _load_plain(str(bundled_base_dir()), dev, dtype, False)
-    elif Path(base).exists() or re.fullmatch(r"[\w.-]+/[\w.-]+", base):
-        model, tokenizer = _load_plain(base, dev, dtype, trust_remote_code)
-    else:
-        raise ModelLoadError(
-            f"unknown model {spec!r}: not {BUNDLED!r}, {BUNDLED_BASE!r}, an existing directory or a hub id"
-        )
-
+    base, adapter_dir, ours = _source(spec, dtype)
+    trust = trust_remote_code and not ours
     saved = MarsMeta.read(base) if Path(base).is_dir() else {}
-    if adapter_dir is not None:
-        model = _merge_adapter(model, adapter_dir)
-        if merged_cache is not None:
-            _save_atomically(model, tokenizer, merged_cache)
-            model.config._name_or_path = str(merged_cache)  # named (compute table key) as later loads from it
     if spec == BUNDLED or adapter_dir is not None:
         saved = {**saved, **MarsMeta.read(BUNDLED_ADAPTER if spec == BUNDLED else adapter_dir)}
+    keep = on_path and adapter_dir is None and Path(base).is_dir()  # a local fp32 checkpoint: its conversion is kept
+    if keep:
+        tokenizer = _tokenizer(base, trust)
+        meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
+        found = warm.load(base, _stock_config(base, trust), precision, block_size=meta.block_size, rows=rows,
+                          rate=decode_rate, trust_remote_code=trust)
+        if found is not None:
+            logger.info("compute path: %s (stored conversion)", found[1].summary())
+            return _finish(found[0], tokenizer, meta, spec, started, found[1])
+    model, tokenizer = _load_plain(base, dev, dtype, trust)
+    if adapter_dir is not None:
+        model = _merge_adapter(model, adapter_dir)
+        if adapter_dir == BUNDLED_ADAPTER and dtype == torch.float32:
+            base, keep = str(merged_bundled_dir()), on_path  # the merged weights now have files of their own
+            _save_atomically(model, tokenizer, Path(base))
+            model.config._name_or_path = base  # named (compute table key) as later loads from it
     model.eval()
     meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
     compute = None
-    if precision is not None and dev.type == "cpu":
+    if on_path:
+        inputs = warm.smoothing_inputs(model) if keep else None  # not a base's entry for a merged adapter
         compute = select(model, tokenizer, precision, block_size=meta.block_size, table_dir=cache_dir(), rows=rows,
                          rate=decode_rate)
         logger.info("compute path: %s", compute.summary())
-    if dev.type == "cpu":  # the greedy kernel loaded now, not on the first pass decoded (the first race's)
-        greedy_kernel()
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    seconds = time.perf_counter() - started
-    logger.info("loaded %s in %.1f s (%s, %s)", spec, seconds, dev, dtype)
-    return LoadedModel(model=model, tokenizer=tokenizer, meta=meta, name=spec, load_seconds=seconds, compute=compute)
+        if inputs is not None:
+            warm.store(model, compute, base, inputs)
+    return _finish(model, tokenizer, meta, spec, started, compute)
 
 
 def load_for_decoding(spec: str | None = None, precision: str | None = None) -> LoadedModel:

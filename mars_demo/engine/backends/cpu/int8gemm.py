@@ -55,13 +55,19 @@ class Weights:
     """A linear's weights as the kernel reads them: int8 packed (``pack``), 128 x each channel's sum, float scales."""
 
     def __init__(self, ints: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.bias = bias  # fp32 (RowInt8Linear's own buffer: read, never written)
+        self.out_features, self.in_features = ints.shape
+        if ints.is_meta:  # a skeleton that stored.py fills: the shapes, no arithmetic
+            padded = -(-self.out_features // TILE) * TILE * -(-self.in_features // DEPTH) * DEPTH
+            self.packed = ints.new_empty(padded)
+            self.sums = ints.new_empty(self.out_features, dtype=torch.int32)
+            self.scales = ints.new_empty(self.out_features, dtype=torch.float32)
+            return
         self.packed = pack(ints)
         # the codes are stored as code + 128: their sums carry 128 x the weight sums, taken back here
         self.sums = (ints.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
         # fbgemm's factor: the float step times the float channel scale, one rounding
         self.scales = (torch.tensor(INPUT_STEP, dtype=torch.float32) * weight_scale.float()).contiguous()
-        self.bias = bias  # fp32 (RowInt8Linear's own buffer: read, never written)
-        self.out_features, self.in_features = ints.shape
 
     def linear(self, function, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (n, in) fp32 with unit stride along ``in`` -> (n, out)."""

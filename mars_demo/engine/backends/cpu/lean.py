@@ -57,7 +57,7 @@ def unsupported(model: PreTrainedModel) -> str | None:
         return "sliding-window layers"
     if any(hasattr(module, "_hf_hook") for module in model.modules()):
         return "dispatched by accelerate (its hooks move weights and inputs on every module call)"
-    if model.device.type != "cpu":
+    if model.device.type not in ("cpu", "meta"):  # meta: a skeleton to be filled with CPU tensors (stored.py)
         return f"on {model.device.type}"
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)

@@ -18,8 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,11 +34,7 @@ from ... import progress
 from ...machine import ASSETS, cpu_model
 from .. import backend_for, cpu_engine_runs
 from . import int8gemm, native, native_layers, rowattn
-from .quant import (
-    PATHS,
-    activation_ranges,
-    convert,
-)
+from .quant import PATHS, activation_ranges, convert, flushing_subnormals
 
 logger = logging.getLogger(__name__)
 
@@ -168,25 +163,6 @@ def smoothing_texts() -> list[str]:
 
 def token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: int = 256) -> list[torch.Tensor]:
     return [tokenizer(text, return_tensors="pt").input_ids[:, :limit] for text in texts]
-
-
-@contextmanager
-def flushing_subnormals() -> Iterator[None]:
-    """Subnormal floats read and written as zero inside the block (the CPU's FTZ/DAZ), off again after it.
-
-    A whole text through the fp32 layers makes subnormal activations, and x86 cores take a slow path on
-    every operation that meets one: calibration's fp32 passes run many times slower with them. Their
-    values (below 1.2e-38) change no activation range and no NLL that calibration reads. Decoding never
-    runs inside this block.
-    """
-    # The mode is per thread and a new thread inherits its creator's: OpenMP's team is started first (a
-    # parallel sum), so that no worker keeps the mode after the block.
-    torch.ones(1 << 17).sum()
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)  # the process default: nothing else in the package sets it
 
 
 def text_nll(model: PreTrainedModel, texts: list[torch.Tensor]) -> float:
@@ -376,15 +352,19 @@ def shipped_ranges(model: PreTrainedModel) -> dict | None:
         return None
 
 
+def ranges_file(key: str, where: Path) -> Path:
+    """Where ``smoothing_ranges`` caches the ranges it measured for a ``model_key``."""
+    return where / "smoothing" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
 def smoothing_ranges(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, key: str, where: Path) -> dict:
-    """int8dyn's activation ranges for ``model`` (fp32): shipped for the bundled model, else measured once on
-    the smoothing texts and cached."""
-    target = where / "smoothing" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    """int8dyn's activation ranges for ``model`` (fp32): measured before and cached, else shipped for the bundled
+    model, else measured once on the smoothing texts and cached."""
+    target = ranges_file(key, where)
     try:
         return load_file(target)
     except (OSError, ValueError, SafetensorError):
-        pass
-    ranges = shipped_ranges(model)
+        ranges = shipped_ranges(model)
     if ranges is not None:
         return ranges
     progress.report("calibrating int8dyn (activation ranges)")
@@ -397,15 +377,38 @@ def smoothing_ranges(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     return ranges
 
 
-def select(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    precision: str,
-    *,
-    block_size: int,
-    table_dir: Path,
-    rows: int = 1,
+def from_table(
+    model: PreTrainedModel, precision: str, *, block_size: int, table_dir: Path, rows: int = 1,
     rate: Callable[[dict[int, float], int], float] = ar_rate,
+) -> ComputePath | None:
+    """The path ``select`` would choose for ``model`` (fp32, or its skeleton on the meta device) from the cached
+    table alone, or None where the table does not hold every path it needs."""
+    precision = check_precision(precision)
+    widths, paths = range(1, 2 * max(block_size, 2) + 1), SURVEY_ORDER if precision == "auto" else (precision,)
+    entry = _read_table(table_dir / TABLE_FILE).get(table_key(model, widths), {})
+    if not all(p in entry for p in paths) or (precision != "auto" and "dnll" not in entry[precision]):
+        return None
+    return _chosen(entry, precision, paths, rows=rows, block_size=block_size, rate=rate, cached=True)
+
+
+def _chosen(
+    entry: dict, precision: str, paths: tuple, *, rows: int, block_size: int, rate, cached: bool,
+) -> ComputePath:
+    """The ComputePath that a table entry holding every path of ``paths`` chooses (``choose_path`` for auto)."""
+    chosen = precision
+    if precision == "auto":
+        chosen = choose_path({p: entry[p] for p in paths}, rows=rows, block_size=block_size, rate=rate)
+    costs = {int(w): ms for w, ms in entry[chosen]["costs_ms"].items()}
+    return ComputePath(
+        path=chosen, requested=precision, costs_ms=costs, max_fed=cap_from_costs(costs), dnll=entry[chosen]["dnll"],
+        cpu=cpu_model(), threads=torch.get_num_threads(),
+        candidates={p: entry[p] for p in paths} if precision == "auto" else {}, cached=cached, rows=rows,
+    )
+
+
+def select(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, precision: str, *, block_size: int, table_dir: Path,
+    rows: int = 1, rate: Callable[[dict[int, float], int], float] = ar_rate,
 ) -> ComputePath:
     """Measure (or read the cached table), put ``model`` on the chosen path in place, and say which.
 
@@ -419,30 +422,20 @@ def select(
     # int8dyn's calibration is fp32 work: on a first start it runs while the kernels still build
     ranges = smoothing_ranges(model, tokenizer, model_key(model), table_dir) if "int8dyn" in paths else {}
     progress.report("building the native kernels (first start only)")
-    key = table_key(model, widths)
-    table_path = table_dir / TABLE_FILE
-    entry = _read_table(table_path).get(key, {})
-    cached = all(p in entry for p in paths) and (precision == "auto" or "dnll" in entry[precision])
+    found = from_table(model, precision, block_size=block_size, table_dir=table_dir, rows=rows, rate=rate)
     converted = None
-    if not cached:
+    if found is None:
         candidates = _Candidates(model, token_ids(tokenizer, calibration_texts()), ranges)
-        entry.update(survey(paths, widths, candidates.curve, candidates.dnll))
-        table = _read_table(table_path)
-        table[key] = entry
-        _write_atomically(table_path, json.dumps(table, indent=1) + "\n")
-    chosen = precision
-    if precision == "auto":
-        chosen = choose_path({p: entry[p] for p in paths}, rows=rows, block_size=block_size, rate=rate)
-    if not cached:
-        converted = candidates.keep_only(chosen)
-    progress.report(f"putting the model on {chosen}")
+        entry = survey(paths, widths, candidates.curve, candidates.dnll)
+        key, table = table_key(model, widths), _read_table(table_dir / TABLE_FILE)
+        table[key] = {**table.get(key, {}), **entry}  # another process may have measured other paths meanwhile
+        _write_atomically(table_dir / TABLE_FILE, json.dumps(table, indent=1) + "\n")
+        found = _chosen(table[key], precision, paths, rows=rows, block_size=block_size,
+                        rate=rate, cached=False)
+        converted = candidates.keep_only(found.path)
+    progress.report(f"putting the model on {found.path}")
     if converted is not None:
         adopt(model, converted)
     else:
-        convert(model, chosen, ranges=ranges)
-    costs = {int(w): ms for w, ms in entry[chosen]["costs_ms"].items()}
-    return ComputePath(
-        path=chosen, requested=precision, costs_ms=costs, max_fed=cap_from_costs(costs), dnll=entry[chosen]["dnll"],
-        cpu=cpu_model(), threads=torch.get_num_threads(),
-        candidates={p: entry[p] for p in paths} if precision == "auto" else {}, cached=cached, rows=rows,
-    )
+        convert(model, found.path, ranges=ranges)
+    return found

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextvars
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +67,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         weight = weight.detach().float()  # (out, in)
-        scale = weight.abs().amax(dim=1).clamp_min(1e-8) / 127
+        scale = weight.abs().amax(dim=1).clamp_min(1e-8) / 127  # on the meta device (a skeleton): shapes only
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(torch.bfloat16))
@@ -105,8 +107,11 @@ class RowInt8Linear(nn.Module):
         super().__init__()
         weight = weight.detach().float()  # (out, in)
         self.out_features, self.in_features = weight.shape
-        scale = weight.abs().amax(dim=1).clamp_min(1e-8) / DYN_WEIGHT_QMAX
-        ints = torch.round(weight / scale[:, None]).clamp(-DYN_WEIGHT_QMAX, DYN_WEIGHT_QMAX).to(torch.int8)
+        if weight.is_meta:  # a skeleton that stored.py fills: the shapes, no arithmetic
+            scale, ints = weight.new_empty(self.out_features), weight.new_empty(weight.shape, dtype=torch.int8)
+        else:
+            scale = weight.abs().amax(dim=1).clamp_min(1e-8) / DYN_WEIGHT_QMAX
+            ints = torch.round(weight / scale[:, None]).clamp(-DYN_WEIGHT_QMAX, DYN_WEIGHT_QMAX).to(torch.int8)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.has_bias = bias is not None  # a plain attribute: reading a buffer goes through nn.Module.__getattr__
         self.native = int8gemm.kernel()
@@ -216,6 +221,25 @@ def activation_ranges(model: PreTrainedModel, texts: list[torch.Tensor]) -> dict
     return ranges
 
 
+@contextmanager
+def flushing_subnormals() -> Iterator[None]:
+    """Subnormal floats read and written as zero inside the block (the CPU's FTZ/DAZ), off again after it.
+
+    A whole text through the fp32 layers makes subnormal activations, and x86 cores take a slow path on
+    every operation that meets one: calibration's fp32 passes run many times slower with them. Their
+    values (below 1.2e-38) change no activation range and no NLL that calibration reads. Decoding never
+    runs inside this block.
+    """
+    # The mode is per thread and a new thread inherits its creator's: OpenMP's team is started first (a
+    # parallel sum), so that no worker keeps the mode after the block.
+    torch.ones(1 << 17).sum()
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)  # the process default: nothing else in the package sets it
+
+
 def _divisor(act: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant's per-channel divisor of the activations (and multiplier of the weights' columns)."""
     return (act.clamp_min(1e-5) ** alpha / weight_max.clamp_min(1e-5) ** (1 - alpha)).clamp(1e-3, 1e3)
@@ -257,14 +281,17 @@ def fold_smoothing(model: PreTrainedModel, ranges: dict[str, torch.Tensor], alph
     config = model.config
     if config.model_type not in SMOOTHABLE or not ranges:
         return False
-    groups = config.num_attention_heads // config.num_key_value_heads
-    for i, layer in enumerate(model.model.layers):
-        _smooth_layer(layer, ranges, f"model.layers.{i}", alpha, groups)
     head = model.lm_head
-    s = _divisor(ranges["lm_head"], head.weight.abs().amax(0), alpha)
-    model.model.norm.weight.div_(s)
-    untied = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
-    untied.weight = nn.Parameter(head.weight.detach() * s, requires_grad=False)
+    untied = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+    if head.weight.is_meta:  # a skeleton that stored.py fills: only the structure (the untied head)
+        untied.weight = nn.Parameter(torch.empty_like(head.weight), requires_grad=False)
+    else:
+        groups = config.num_attention_heads // config.num_key_value_heads
+        for i, layer in enumerate(model.model.layers):
+            _smooth_layer(layer, ranges, f"model.layers.{i}", alpha, groups)
+        s = _divisor(ranges["lm_head"], head.weight.abs().amax(0), alpha)
+        model.model.norm.weight.div_(s)
+        untied.weight = nn.Parameter(head.weight.detach() * s, requires_grad=False)
     if head.bias is not None:
         untied.bias = nn.Parameter(head.bias.detach().clone(), requires_grad=False)
     model.lm_head = untied
