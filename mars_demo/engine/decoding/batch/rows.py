@@ -112,8 +112,8 @@ class PaddedCache:
     def _feed_apart(self, ids, positions, attn: torch.Tensor, block: torch.Tensor | None, keep: int) -> torch.Tensor:
         """The first pass with each row fed alone, without its leading holes, then the rows' caches stacked.
 
-        A row's output does not depend on the rows beside it or on holes it does not see, so each row's
-        logits and keys are those the padded pass would give it; only the holes' work is saved.
+        Each row gets what the single-sequence decoder's prefill gives it; where rows are independent bit for
+        bit (int8dyn) that is also what the padded pass gives it, without the holes' work.
         """
         width, logits, caches = ids.shape[1], [], []
         for r in range(ids.shape[0]):
