@@ -19,6 +19,7 @@ from plotly.subplots import make_subplots
 
 from ..engine.decoding.loop import StepEvent
 from ..engine.decoding.metrics import Rates, common_prefix, speedup
+from ..engine.decoding.tree_shape import nodes
 
 if TYPE_CHECKING:
     from ..engine.decoding.width import Surface
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 MARS_COLOR = "#4f46e5"
 AR_COLOR = "#94a3b8"
 TAU_COLOR = "#dc2626"
-EXACT_COLOR = "#0d9488"  # the sweep's exact-mode point
+EXACT_COLOR = "#0d9488"  # the sweep's exact-mode point, and a pass that verified a tree (not a chain)
 # Neighbouring passes alternate between these; the MARS text pane uses the same three.
 PASS_COLORS = ("#6366f1", "#0d9488", "#d97706")
 HEIGHT = 300
@@ -156,13 +157,56 @@ def width_text(steps: Sequence[StepEvent]) -> str:
     return str(low) if low == high else f"{low}–{high}, mostly {most}"
 
 
+def shape_text(shape: Sequence[int]) -> str:
+    """A pass's tree shape (StepEvent.shape) as the app names it: "no drafts", "chain of 3" or "2,1,1"."""
+    if not shape:
+        return "no drafts"
+    return f"chain of {len(shape)}" if max(shape) == 1 else ",".join(map(str, shape))
+
+
+def tree_text(steps: Sequence[StepEvent], tree: str | None) -> str:
+    """The shapes a tree run's passes after the prefill verified, in one line: "auto: chains on 80% of passes,
+    2,1,1 on 20%" (chains of any depth together, trees by shape); "—" without a tree or before such a pass."""
+    kinds = Counter("chains" if s.shape and max(s.shape) == 1 else shape_text(s.shape) for s in steps[1:])
+    if tree is None or not kinds:
+        return "—"
+    total = sum(kinds.values())
+    parts = [f"{kind} on {100 * n / total:.0f}%" for kind, n in kinds.most_common(3)]
+    rest = total - sum(n for _, n in kinds.most_common(3))
+    parts += [f"other shapes on {100 * rest / total:.0f}%"] if rest else []
+    return f"{tree}: {parts[0]} of passes" + "".join(f", {part}" for part in parts[1:])
+
+
+def tree_shapes(steps: Sequence[StepEvent], tree: str | None = None) -> go.Figure:
+    """Exact and hybrid modes: the drafts each pass verified (bars, one per pass: a tree's nodes, a chain's
+    depth; a tree in teal) and the depth they reached (line); the shape on hover, its shares in the title."""
+    passes = [s.index + 1 for s in steps]
+    bars = go.Bar(
+        x=passes, y=[nodes(tuple(s.shape)) for s in steps], customdata=[shape_text(s.shape) for s in steps],
+        name="drafts verified (teal: a tree)", hovertemplate="pass %{x}: %{customdata}, %{y} draft(s)<extra></extra>",
+        marker={"color": [EXACT_COLOR if s.shape and max(s.shape) > 1 else MARS_COLOR for s in steps]},
+    )
+    depth = go.Scatter(
+        x=passes, y=[len(s.shape) for s in steps], name="depth", mode="lines", line={"color": TAU_COLOR, "shape": "hv"},
+        hovertemplate="pass %{x}: depth %{y}<extra></extra>",
+    )
+    fig = go.Figure([bars, depth])
+    fig.update_xaxes(title_text="forward pass", rangemode="tozero")
+    fig.update_yaxes(title_text="drafts verified", rangemode="tozero", dtick=1 if max([0, *bars.y]) <= 8 else None)
+    shares = tree_text(steps, tree)
+    title = "Candidate trees: drafts verified per pass" + (f"<br><sup>tree {shares}</sup>" if shares != "—" else "")
+    return _style(_waiting(fig, steps), title, height=260)
+
+
 def summary_table(
-    mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None, nll: dict[str, float] | None = None
+    mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None, nll: dict[str, float] | None = None,
+    tree: str | None = None,
 ) -> go.Figure:
     """Tokens/s, tokens/forward, passes, time and speedup over AR, for both sides.
 
     ``nll``: a sampled race (None: greedy). Two samples need not share a token, so in place of "same tokens
-    as AR" each side's NLL per token under the model, once the run has ended ("—" before).
+    as AR" each side's NLL per token under the model, once the run has ended ("—" before). ``tree``: the run's
+    DecodeConfig.tree (exact and hybrid modes), a row with the shapes its passes verified (``tree_text``).
     """
     m = Rates.of_steps(mars)
     a = Rates.of_steps(ar) if ar is not None else None
@@ -178,7 +222,7 @@ def summary_table(
         ("speedup over AR", _fmt(speedup(m, a), ".2f") + ("×" if speedup(m, a) else ""), "1.00×" if a else "—"),
         same,
         ("width (chosen for tokens / ms)", width_text(mars), width_text(ar or [])),
-    ]
+    ] + ([("candidate tree", tree_text(mars, tree), "—")] if tree is not None else [])
     labels, mars_col, ar_col = (list(col) for col in zip(*rows))
     fig = go.Figure(
         go.Table(
@@ -189,12 +233,12 @@ def summary_table(
             },
             cells={
                 "values": [labels, mars_col, ar_col], "align": ["left", "center", "center"], "height": 30,
-                "fill_color": [["#f8fafc", "white"] * 4], "font": {"size": 13, "color": "#1f2937"},
+                "fill_color": [["#f8fafc", "white"] * 5], "font": {"size": 13, "color": "#1f2937"},
                 "line": {"color": "#e5e7eb"},
             },
         )
     )
-    return _style(fig, "Summary", height=380)
+    return _style(fig, "Summary", height=380 + 40 * (len(rows) - 8))
 
 
 def frontier(points: Sequence[FrontierPoint]) -> go.Figure:
