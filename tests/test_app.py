@@ -533,7 +533,8 @@ def test_a_tree_race_names_each_verified_tokens_branch_on_hover(drafty_handlers)
     assert list(bars.customdata) == [charts.shape_text(s.shape) for s in trace.mars]
     assert "3,2,1" in bars.customdata
     summary = final["summary_plot"].data[0].cells.values
-    assert summary[1][summary[0].index("candidate tree")].startswith("3,2,1: ")
+    cell = summary[1][summary[0].index(charts.tree_label("3,2,1"))].split("<br>")
+    assert cell[0] == "{} {:.0f}%".format(*charts.tree_shares(trace.mars)[0]) and len(cell) >= 2
     saved = json.loads(Path(final["json_file"]["value"]).read_text())
     assert [p["shape"] for p in saved["sides"]["mars"]["passes"]] == [list(s.shape) for s in trace.mars]
 
@@ -544,7 +545,8 @@ def test_the_tree_setting_reaches_exact_runs_and_no_other(drafty_handlers, value
     final = tree_race(drafty_handlers, session, value)
     assert session.trace.config.tree == tree
     assert final["tree_plot"]["visible"] is True  # exact mode: a chain's passes have shapes too
-    assert ("candidate tree" in final["summary_plot"].data[0].cells.values[0]) == (tree is not None)
+    labels = final["summary_plot"].data[0].cells.values[0]
+    assert (tree is not None and charts.tree_label(tree) in labels) or (tree is None and len(labels) == 8)
     mars = Session()
     final = tree_race(drafty_handlers, mars, value, mode="mars")
     assert mars.trace.config.tree is None and final["tree_plot"]["visible"] is False

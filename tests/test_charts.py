@@ -108,8 +108,8 @@ def test_tree_text_gives_the_shares_of_shapes_after_the_prefill():
     many = shaped([(), (2,), (3,), (2, 1), (3, 1), (1,)])
     assert charts.tree_text(many, "2") == "2: 2 on 20% of passes, 3 on 20%, 2,1 on 20%, other shapes on 40%"
     table = charts.summary_table(run, None, None, "auto").data[0].cells.values
-    assert table[1][table[0].index("candidate tree")] == "auto: chains on 80% of passes, 2,1,1 on 20%"
-    assert "candidate tree" not in charts.summary_table(run, None).data[0].cells.values[0]
+    assert table[1][table[0].index("candidate tree (auto): passes by shape")] == "chains 80%<br>2,1,1 20%"
+    assert table[0][:-1] == charts.summary_table(run, None).data[0].cells.values[0]  # the row only with a tree
 
 
 def test_summary_table_values():

@@ -164,17 +164,22 @@ def shape_text(shape: Sequence[int]) -> str:
     return f"chain of {len(shape)}" if max(shape) == 1 else ",".join(map(str, shape))
 
 
-def tree_text(steps: Sequence[StepEvent], tree: str | None) -> str:
-    """The shapes a tree run's passes after the prefill verified, in one line: "auto: chains on 80% of passes,
-    2,1,1 on 20%" (chains of any depth together, trees by shape); "—" without a tree or before such a pass."""
+def tree_shares(steps: Sequence[StepEvent]) -> list[tuple[str, float]]:
+    """(kind, % of passes) of the shapes the passes after the prefill verified, most common first (ties: first
+    seen): chains of any depth together as "chains", trees by shape, past the third as "other shapes"."""
     kinds = Counter("chains" if s.shape and max(s.shape) == 1 else shape_text(s.shape) for s in steps[1:])
-    if tree is None or not kinds:
+    total, top = sum(kinds.values()), kinds.most_common(3)
+    rest = total - sum(n for _, n in top)
+    return [(kind, 100 * n / total) for kind, n in top + ([("other shapes", rest)] if rest else [])]
+
+
+def tree_text(steps: Sequence[StepEvent], tree: str | None) -> str:
+    """``tree_shares`` in one line: "auto: chains on 80% of passes, 2,1,1 on 20%"; "—" without a tree or before
+    a pass after the prefill."""
+    shares = [f"{kind} on {share:.0f}%" for kind, share in tree_shares(steps)]
+    if tree is None or not shares:
         return "—"
-    total = sum(kinds.values())
-    parts = [f"{kind} on {100 * n / total:.0f}%" for kind, n in kinds.most_common(3)]
-    rest = total - sum(n for _, n in kinds.most_common(3))
-    parts += [f"other shapes on {100 * rest / total:.0f}%"] if rest else []
-    return f"{tree}: {parts[0]} of passes" + "".join(f", {part}" for part in parts[1:])
+    return f"{tree}: {shares[0]} of passes" + "".join(f", {part}" for part in shares[1:])
 
 
 def tree_shapes(steps: Sequence[StepEvent], tree: str | None = None) -> go.Figure:
@@ -222,7 +227,10 @@ def summary_table(
         ("speedup over AR", _fmt(speedup(m, a), ".2f") + ("×" if speedup(m, a) else ""), "1.00×" if a else "—"),
         same,
         ("width (chosen for tokens / ms)", width_text(mars), width_text(ar or [])),
-    ] + ([("candidate tree", tree_text(mars, tree), "—")] if tree is not None else [])
+    ]
+    shares = tree_shares(mars) if tree is not None else []
+    if tree is not None:  # one share a line: the column is narrow
+        rows.append((tree_label(tree), "<br>".join(f"{kind} {share:.0f}%" for kind, share in shares) or "—", "—"))
     labels, mars_col, ar_col = (list(col) for col in zip(*rows))
     fig = go.Figure(
         go.Table(
@@ -238,7 +246,12 @@ def summary_table(
             },
         )
     )
-    return _style(fig, "Summary", height=380 + 40 * (len(rows) - 8))
+    return _style(fig, "Summary", height=380 + (30 + 20 * max(len(shares), 2) if tree is not None else 0))
+
+
+def tree_label(tree: str) -> str:
+    """The summary table's row of a tree run's shapes (``tree``: a checked DecodeConfig.tree, digits or "auto")."""
+    return f"candidate tree ({tree}): passes by shape"
 
 
 def frontier(points: Sequence[FrontierPoint]) -> go.Figure:

@@ -18,10 +18,9 @@ MAX_CHARS = 64  # longer than any shape parse_tree takes
 BAD_TREE = (f"Candidate tree must be chain, auto or a shape such as 2,1,1: comma-separated candidates per depth, "
             f"each 1 to {MAX_BRANCH}, at most 15 deep and {MAX_NODES} drafts in all")
 TREE_INFO = (
-    "Exact and hybrid modes: each pass verifies a tree of the masks' top candidates instead of one guess per "
-    "position, so a second or third guess can hold; the text is the same. 2,1,1: 2 candidates at depth 1, 1 under "
-    "each at depths 2 and 3. auto picks the shape before every pass by expected tokens per ms. On a small CPU a "
-    "chain is usually as fast: the wider pass costs what the extra hits bring (BENCHMARKS.md, \"Candidate trees\")."
+    "Exact and hybrid modes: a pass verifies a tree of the masks' top candidates, not one guess per position; the "
+    "text is the same. 2,1,1: 2 candidates at depth 1, 1 under each at depths 2 and 3; auto picks each pass's shape "
+    "by expected tokens per ms. On a small CPU a chain is usually as fast (BENCHMARKS.md, \"Candidate trees\")."
 )
 
 
