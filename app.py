@@ -53,6 +53,7 @@ from mars_demo.ui.serving_tab import (
 )
 from mars_demo.ui.sweep import SWEEP_COLUMNS
 from mars_demo.ui.traces import TraceStore, stem
+from mars_demo.ui.tree_setting import tree_control
 from mars_demo.ui.zerogpu import RUN_SECONDS, SWEEP_SECONDS, gpu_handler, on_zero_gpu, zero_gpu_load
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ SWEEP_TAUS = (0.99, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.3)
 SWEEP_DEFAULT_TAUS = [0.95, 0.9, 0.8, 0.7, 0.5]
 SWEEP_MAX_NEW_TOKENS = 64
 PLOT_IDS = {"time_plot": "chart-time", "pass_plot": "chart-pass", "hist_plot": "chart-hist",
-            "summary_plot": "chart-summary"}
+            "summary_plot": "chart-summary", "tree_plot": "chart-tree"}
 
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="teal", neutral_hue="slate")
 CSS = """
@@ -149,6 +150,7 @@ def _sidebar(policy: ModelPolicy, gpu: bool, limits: Limits) -> dict:
             "bf16, int8 and int8dyn paths; on fp32 and GPUs, whose wide passes round otherwise, up to near ties. "
             "Hybrid: confident guesses accepted, the rest verified.",
         )
+        c["tree"] = tree_control()
         c["tau"] = _slider(
             "tau", "tau", DEFAULTS.tau,
             "Acceptance threshold: lower accepts more tokens per pass. Drag it during a run.", elem_id="tau",
@@ -180,7 +182,8 @@ def _plot(figure, elem_id: str) -> gr.Plot:
 
 
 def _race_tab() -> dict:
-    """The race: prompt, Run / Stop, both panes, four charts and the trace downloads, by name."""
+    """The race: prompt, Run / Stop, both panes, five charts (the tree shapes' for exact and hybrid runs only) and
+    the trace downloads, by name."""
     c = {}
     with gr.Row(equal_height=True):
         c["prompt"] = gr.Textbox(
@@ -202,6 +205,7 @@ def _race_tab() -> dict:
         with gr.Row():
             for name in row:
                 c[name] = _plot(figures[name], PLOT_IDS[name])
+    c["tree_plot"] = gr.Plot(figures["tree_plot"], show_label=False, visible=False, elem_id=PLOT_IDS["tree_plot"])
     with gr.Row():
         c["json_file"] = gr.DownloadButton(
             "Download trace (JSON)", interactive=False, size="md", elem_id="download-json"
@@ -301,7 +305,7 @@ def _wire(demo: gr.Blocks, handlers: DemoHandlers, c: dict, session: gr.State, c
     settings = pick(("model", "tau", "block_size", "max_new_tokens", "metric", "temperature", "full_window", "with_ar"))
     run_event = gr.on(
         [c["run"].click, c["prompt"].submit], gpu_handler(handlers.run, RUN_SECONDS),
-        [c["prompt"], *settings, session, c["mode"], c["precision"], c["top_p"], c["top_k"]], race,
+        [c["prompt"], *settings, session, c["mode"], c["precision"], c["top_p"], c["top_k"], c["tree"]], race,
         concurrency_limit=concurrency, concurrency_id="decode", validator=validator,
         show_progress="minimal", show_progress_on=[c["mars_pane"]],  # queue position and timer, no overlay
     )

@@ -5,16 +5,20 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import threading
 import time
+from html import unescape
 from pathlib import Path
 
 import gradio as gr
 import pytest
+import torch
 
 from mars_demo.engine.checkpoints.loading import BUNDLED, ModelLoadError
 from mars_demo.engine.decoding.config import DecodeConfig, resolve_max_fed
 from mars_demo.engine.decoding.loop import LiveTau, StepEvent, generate
+from mars_demo.ui import charts
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.hosting import DecodeSlot
 from mars_demo.ui.models import ModelCache, ModelPolicy, model_choices
@@ -23,7 +27,7 @@ from mars_demo.ui.race import VIEW_EVERY, LaneCadence, RaceTrace, Session, inter
 from mars_demo.ui.render import ar_pane, mars_pane, model_message, model_status
 from mars_demo.ui.sweep import SWEEP_COLUMNS
 
-from conftest import tiny_loader
+from conftest import make_lm, tiny_loader
 
 PROMPT = "Explain why the sky is blue."
 SETTINGS = {
@@ -451,3 +455,115 @@ def test_a_view_carries_every_pane_that_changed_since_the_last(handlers):
     outputs = list(start(handlers, session))
     assert len(outputs) == 2 and f'data-passes="{len(session.trace.mars)}"' in outputs[-1]["mars_pane"]
     assert 'data-status="done"' in outputs[-1]["ar_pane"]
+
+
+@pytest.fixture(scope="module")
+def drafty_handlers(tmp_path_factory):
+    """Handlers over a tiny qwen2 whose LM head leans towards four tokens, so that the masks' second and third
+    candidates hold now and then (as in test_trees.py) and a tree run commits nodes off the main path."""
+    lm = make_lm("qwen2")
+    bias = torch.zeros(lm.model.config.vocab_size)
+    bias[[50, 60, 70, 80]] = 7.0
+    lm.model.lm_head.bias = torch.nn.Parameter(bias)
+    return DemoHandlers(tiny_loader(lm), policy=ModelPolicy(tuple(model_choices(False)), free=True), chart_every=60.0,
+                        trace_dir=tmp_path_factory.mktemp("traces"), stop_wait=1.0)
+
+
+def tree_race(handlers: DemoHandlers, session: Session, tree, mode: str = "exact", temperature: float = 0.0) -> dict:
+    """A whole race with the sidebar's candidate-tree setting; its final view by name."""
+    s = SETTINGS
+    views = handlers.run(PROMPT, s["spec"], 1.0, 4, s["max_new_tokens"], s["metric"], temperature, False, True,
+                         session, mode, None, 1.0, 0, tree)
+    return named(RACE_OUTPUTS, list(views)[-1])
+
+
+def tips(pane: str) -> list[str]:
+    """The hover text of every token with text in a pane, in order, unescaped."""
+    return [unescape(t) for t in re.findall(r'class="tok[^"]*" data-tip="([^"]*)"', pane)]
+
+
+def test_tree_hover_text_names_the_branch_and_stays_escaped():
+    evil = ("<script>", '" onmouseover="x', "<i>", "&")
+    side = StepEvent(3, (1, 2, 3, 4), evil, (0.9,) * 4, 1.0, 0.01, None, ("draft",) * 3 + ("ar",), 4, (1, 0, 2, -1),
+                     (3, 3, 3))
+    main = StepEvent(4, (5, 6), ("a", "b"), (0.9, 0.8), 1.0, 0.01, None, ("draft", "bonus"), 3, (0, -1), (2, 1))
+    pane = mars_pane([side, main], "running", None, "exact")
+    assert "<script" not in pane and "<i>" not in pane and '" onmouseover' not in pane and "&lt;i&gt;" in pane
+    shown = tips(pane)
+    assert shown[0].startswith("pass 4 (4 tokens) · confidence 0.900 · tau 1.00 · draft verified by the AR head · ")
+    assert [tip.split(" · ")[-1] for tip in shown] == [
+        "tree: candidate 2 of its position (depth 1, a side branch)",
+        "tree: candidate 1 of its position (depth 2, under a side branch)",
+        "tree: candidate 3 of its position (depth 3, a side branch)",
+        "the AR head's token",
+        "tree: main path (the top candidate at depth 1)",
+        "bonus: drawn from the AR head, every draft kept",
+    ]
+    chain = StepEvent(0, (1,), ("a",), (0.9,), 1.0, 0.01, None, ("draft",), 2, (), (1,))  # a chain: no tree hover
+    assert "tree:" not in mars_pane([chain], "running", None, "exact")
+
+
+def test_a_tree_race_names_each_verified_tokens_branch_on_hover(drafty_handlers):
+    """Issue #37: the setting reaches DecodeConfig.tree, the text is AR's, and hovering a token the tree verified
+    names its branch: the main path, or which candidate of its position (and at which depth) it was."""
+    session = Session()
+    final = tree_race(drafty_handlers, session, "3,2,1")
+    trace = session.trace
+    assert trace.config.tree == "3,2,1" and trace.status == "done"
+    assert [t for e in trace.mars for t in e.token_ids] == [t for e in trace.ar for t in e.token_ids]
+    tokens = [(s, i) for s in trace.mars for i, piece in enumerate(s.pieces) if piece]
+    shown = tips(final["mars_pane"])
+    assert len(shown) == len(tokens)
+    side = 0
+    for (step, i), tip in zip(tokens, shown):
+        rank = step.branches[i]
+        if rank < 0:
+            assert "tree:" not in tip
+        elif all(b == 0 for b in step.branches[: i + 1]):
+            assert f"tree: main path (the top candidate at depth {i + 1})" in tip
+        else:
+            side += rank > 0
+            assert f"tree: candidate {rank + 1} of its position (depth {i + 1}, " in tip
+            assert "draft verified by the AR head" in tip
+    assert side, "no token of this run came from a side branch: the test would not see its hover text"
+    plot = final["tree_plot"]
+    assert plot["visible"] is True
+    bars = plot["value"].data[0]
+    assert list(bars.x) == [s.index + 1 for s in trace.mars]
+    assert list(bars.customdata) == [charts.shape_text(s.shape) for s in trace.mars]
+    assert "3,2,1" in bars.customdata
+    summary = final["summary_plot"].data[0].cells.values
+    cell = summary[1][summary[0].index(charts.tree_label("3,2,1"))].split("<br>")
+    assert cell[0] == "{} {:.0f}%".format(*charts.tree_shares(trace.mars)[0]) and len(cell) >= 2
+    saved = json.loads(Path(final["json_file"]["value"]).read_text())
+    assert [p["shape"] for p in saved["sides"]["mars"]["passes"]] == [list(s.shape) for s in trace.mars]
+
+
+@pytest.mark.parametrize("value, tree", [("auto", "auto"), (" 2, 1 ", "2,1"), ("chain", None), (None, None)])
+def test_the_tree_setting_reaches_exact_runs_and_no_other(drafty_handlers, value, tree):
+    session = Session()
+    final = tree_race(drafty_handlers, session, value)
+    assert session.trace.config.tree == tree
+    assert final["tree_plot"]["visible"] is True  # exact mode: a chain's passes have shapes too
+    labels = final["summary_plot"].data[0].cells.values[0]
+    assert (tree is not None and charts.tree_label(tree) in labels) or (tree is None and len(labels) == 8)
+    mars = Session()
+    final = tree_race(drafty_handlers, mars, value, mode="mars")
+    assert mars.trace.config.tree is None and final["tree_plot"]["visible"] is False
+
+
+@pytest.mark.parametrize("value", ["4,1", "0", "2,,1", "1," * 20, "2,1,1" * 30, "<script>alert(1)</script>", 3,
+                                   ["2", "1"]])
+def test_a_bad_tree_setting_gets_one_clear_message(drafty_handlers, value):
+    with pytest.raises(gr.Error, match="Candidate tree must be chain, auto or a shape such as 2,1,1") as caught:
+        tree_race(drafty_handlers, Session(), value)
+    assert caught.value.title == "Bad setting" and "script" not in caught.value.message
+    session = Session()  # the app keeps serving
+    tree_race(drafty_handlers, session, "2,1,1")
+    assert session.trace.status == "done"
+
+
+def test_hybrid_at_a_temperature_refuses_a_tree_with_a_message(drafty_handlers):
+    with pytest.raises(gr.Error, match="exact mode only") as caught:
+        tree_race(drafty_handlers, Session(), "2,1,1", mode="hybrid", temperature=0.7)
+    assert caught.value.title == "Bad setting"

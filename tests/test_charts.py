@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import plotly.graph_objects as go
 import pytest
@@ -78,8 +79,37 @@ def test_histogram_counts_passes_per_size():
 
 def test_empty_figures_build():
     for fig in (charts.tokens_vs_time([], []), charts.tokens_per_pass([]), charts.passes_histogram([]),
-                charts.summary_table([], [])):
+                charts.summary_table([], []), charts.tree_shapes([])):
         assert isinstance(fig, go.Figure)
+
+
+def shaped(shapes: list[tuple[int, ...]]) -> list[StepEvent]:
+    """Verifying passes that fed these tree shapes (StepEvent.shape), one token each."""
+    return [replace(step, shape=shape) for step, shape in zip(steps([1] * len(shapes), [1.0] * len(shapes)), shapes)]
+
+
+def test_tree_shapes_has_one_point_per_pass_with_its_shape():
+    run = shaped([(), (1, 1, 1), (2, 1, 1), (2, 1, 1), (3, 2), (1,)])
+    fig = charts.tree_shapes(run, "auto")
+    bars, depth = fig.data
+    assert list(bars.x) == list(depth.x) == [1, 2, 3, 4, 5, 6]
+    assert list(bars.customdata) == ["no drafts", "chain of 3", "2,1,1", "2,1,1", "3,2", "chain of 1"]
+    assert list(bars.y) == [0, 3, 6, 6, 9, 1]  # drafts verified: a tree's nodes, a chain's depth
+    assert list(depth.y) == [0, 3, 3, 3, 2, 1]
+    assert list(bars.marker.color) == [charts.MARS_COLOR] * 2 + [charts.EXACT_COLOR] * 3 + [charts.MARS_COLOR]
+    assert "tree auto: chains on 40% of passes, 2,1,1 on 40%, 3,2 on 20%" in fig.layout.title.text  # ties: first seen
+    assert fig.layout.height <= charts.HEIGHT  # a small chart
+
+
+def test_tree_text_gives_the_shares_of_shapes_after_the_prefill():
+    run = shaped([()] + [(1, 1)] * 8 + [(2, 1, 1)] * 2)
+    assert charts.tree_text(run, "auto") == "auto: chains on 80% of passes, 2,1,1 on 20%"
+    assert charts.tree_text(run, None) == "—" and charts.tree_text(run[:1], "auto") == "—"
+    many = shaped([(), (2,), (3,), (2, 1), (3, 1), (1,)])
+    assert charts.tree_text(many, "2") == "2: 2 on 20% of passes, 3 on 20%, 2,1 on 20%, other shapes on 40%"
+    table = charts.summary_table(run, None, None, "auto").data[0].cells.values
+    assert table[1][table[0].index("candidate tree (auto): passes by shape")] == "chains 80%<br>2,1,1 20%"
+    assert table[0][:-1] == charts.summary_table(run, None).data[0].cells.values[0]  # the row only with a tree
 
 
 def test_summary_table_values():

@@ -19,6 +19,7 @@ from plotly.subplots import make_subplots
 
 from ..engine.decoding.loop import StepEvent
 from ..engine.decoding.metrics import Rates, common_prefix, speedup
+from ..engine.decoding.tree_shape import nodes
 
 if TYPE_CHECKING:
     from ..engine.decoding.width import Surface
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 MARS_COLOR = "#4f46e5"
 AR_COLOR = "#94a3b8"
 TAU_COLOR = "#dc2626"
-EXACT_COLOR = "#0d9488"  # the sweep's exact-mode point
+EXACT_COLOR = "#0d9488"  # the sweep's exact-mode point, and a pass that verified a tree (not a chain)
 # Neighbouring passes alternate between these; the MARS text pane uses the same three.
 PASS_COLORS = ("#6366f1", "#0d9488", "#d97706")
 HEIGHT = 300
@@ -156,13 +157,61 @@ def width_text(steps: Sequence[StepEvent]) -> str:
     return str(low) if low == high else f"{low}–{high}, mostly {most}"
 
 
+def shape_text(shape: Sequence[int]) -> str:
+    """A pass's tree shape (StepEvent.shape) as the app names it: "no drafts", "chain of 3" or "2,1,1"."""
+    if not shape:
+        return "no drafts"
+    return f"chain of {len(shape)}" if max(shape) == 1 else ",".join(map(str, shape))
+
+
+def tree_shares(steps: Sequence[StepEvent]) -> list[tuple[str, float]]:
+    """(kind, % of passes) of the shapes the passes after the prefill verified, most common first (ties: first
+    seen): chains of any depth together as "chains", trees by shape, past the third as "other shapes"."""
+    kinds = Counter("chains" if s.shape and max(s.shape) == 1 else shape_text(s.shape) for s in steps[1:])
+    total, top = sum(kinds.values()), kinds.most_common(3)
+    rest = total - sum(n for _, n in top)
+    return [(kind, 100 * n / total) for kind, n in top + ([("other shapes", rest)] if rest else [])]
+
+
+def tree_text(steps: Sequence[StepEvent], tree: str | None) -> str:
+    """``tree_shares`` in one line: "auto: chains on 80% of passes, 2,1,1 on 20%"; "—" without a tree or before
+    a pass after the prefill."""
+    shares = [f"{kind} on {share:.0f}%" for kind, share in tree_shares(steps)]
+    if tree is None or not shares:
+        return "—"
+    return f"{tree}: {shares[0]} of passes" + "".join(f", {part}" for part in shares[1:])
+
+
+def tree_shapes(steps: Sequence[StepEvent], tree: str | None = None) -> go.Figure:
+    """Exact and hybrid modes: the drafts each pass verified (bars, one per pass: a tree's nodes, a chain's
+    depth; a tree in teal) and the depth they reached (line); the shape on hover, its shares in the title."""
+    passes = [s.index + 1 for s in steps]
+    bars = go.Bar(
+        x=passes, y=[nodes(tuple(s.shape)) for s in steps], customdata=[shape_text(s.shape) for s in steps],
+        name="drafts verified (teal: a tree)", hovertemplate="pass %{x}: %{customdata}, %{y} draft(s)<extra></extra>",
+        marker={"color": [EXACT_COLOR if s.shape and max(s.shape) > 1 else MARS_COLOR for s in steps]},
+    )
+    depth = go.Scatter(
+        x=passes, y=[len(s.shape) for s in steps], name="depth", mode="lines", line={"color": TAU_COLOR, "shape": "hv"},
+        hovertemplate="pass %{x}: depth %{y}<extra></extra>",
+    )
+    fig = go.Figure([bars, depth])
+    fig.update_xaxes(title_text="forward pass", rangemode="tozero")
+    fig.update_yaxes(title_text="drafts verified", rangemode="tozero", dtick=1 if max([0, *bars.y]) <= 8 else None)
+    shares = tree_text(steps, tree)
+    title = "Candidate trees: drafts verified per pass" + (f"<br><sup>tree {shares}</sup>" if shares != "—" else "")
+    return _style(_waiting(fig, steps), title, height=260)
+
+
 def summary_table(
-    mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None, nll: dict[str, float] | None = None
+    mars: Sequence[StepEvent], ar: Sequence[StepEvent] | None = None, nll: dict[str, float] | None = None,
+    tree: str | None = None,
 ) -> go.Figure:
     """Tokens/s, tokens/forward, passes, time and speedup over AR, for both sides.
 
     ``nll``: a sampled race (None: greedy). Two samples need not share a token, so in place of "same tokens
-    as AR" each side's NLL per token under the model, once the run has ended ("—" before).
+    as AR" each side's NLL per token under the model, once the run has ended ("—" before). ``tree``: the run's
+    DecodeConfig.tree (exact and hybrid modes), a row with the shapes its passes verified (``tree_text``).
     """
     m = Rates.of_steps(mars)
     a = Rates.of_steps(ar) if ar is not None else None
@@ -179,6 +228,9 @@ def summary_table(
         same,
         ("width (chosen for tokens / ms)", width_text(mars), width_text(ar or [])),
     ]
+    shares = tree_shares(mars) if tree is not None else []
+    if tree is not None:  # one share a line: the column is narrow
+        rows.append((tree_label(tree), "<br>".join(f"{kind} {share:.0f}%" for kind, share in shares) or "—", "—"))
     labels, mars_col, ar_col = (list(col) for col in zip(*rows))
     fig = go.Figure(
         go.Table(
@@ -189,12 +241,17 @@ def summary_table(
             },
             cells={
                 "values": [labels, mars_col, ar_col], "align": ["left", "center", "center"], "height": 30,
-                "fill_color": [["#f8fafc", "white"] * 4], "font": {"size": 13, "color": "#1f2937"},
+                "fill_color": [["#f8fafc", "white"] * 5], "font": {"size": 13, "color": "#1f2937"},
                 "line": {"color": "#e5e7eb"},
             },
         )
     )
-    return _style(fig, "Summary", height=380)
+    return _style(fig, "Summary", height=380 + (30 + 20 * max(len(shares), 2) if tree is not None else 0))
+
+
+def tree_label(tree: str) -> str:
+    """The summary table's row of a tree run's shapes (``tree``: a checked DecodeConfig.tree, digits or "auto")."""
+    return f"candidate tree ({tree}): passes by shape"
 
 
 def frontier(points: Sequence[FrontierPoint]) -> go.Figure:

@@ -36,7 +36,7 @@ from ..engine.checkpoints.hub import HubUnreachable, check_hub
 from ..engine.checkpoints.loading import load_for_decoding
 from ..engine.checkpoints.memory import ModelTooLarge, check_fits, trim_heap
 from ..engine.decoding.chat import prompt_ids
-from ..engine.decoding.config import METRICS, MODES, RANGES, DecodeConfig
+from ..engine.decoding.config import METRICS, MODES, RANGES, VERIFYING_MODES, DecodeConfig
 from ..engine.decoding.loop import StepEvent, generate
 from ..engine.decoding.scoring import teacher_forced
 from . import charts
@@ -58,6 +58,7 @@ from .race import LaneCadence, RaceTrace, Session, interleave, lanes, upcoming_s
 from .render import ar_pane, mars_pane, model_message, model_status
 from .sweep import SweepRun, frontier, plan, sweep_choices, sweep_desc, sweep_passes, sweep_table
 from .traces import TraceStore, stem
+from .tree_setting import check_tree
 from .zerogpu import on_zero_gpu
 
 logger = logging.getLogger(__name__)
@@ -189,9 +190,10 @@ class DemoHandlers:
     # -- the race --------------------------------------------------------------------------
     def _config(
         self, tau, block_size, max_new_tokens, metric, temperature, full_window=False, request=None, mode="mars",
-        most_tokens: int | None = None, top_p=1.0, top_k=0,
+        most_tokens: int | None = None, top_p=1.0, top_k=0, tree=None,
     ) -> DecodeConfig:
-        """The run's DecodeConfig; ``most_tokens``: this server's cap on max new tokens (Limits)."""
+        """The run's DecodeConfig; ``most_tokens``: this server's cap on max new tokens (Limits); ``tree``: the
+        candidate-tree setting, read (and checked) in exact and hybrid modes only (tree_setting.py)."""
         most = most_tokens or self.limits.max_new_tokens
         try:
             for value, choices, label in ((metric, METRICS, "metric"), (mode, MODES, "mode")):
@@ -206,6 +208,7 @@ class DemoHandlers:
                 metric=metric, temperature=number(temperature, "Temperature", *RANGES["temperature"][:2]),
                 max_fed=None if full_window else "auto", top_p=number(top_p, "Top-p", 0, 1),
                 top_k=number(top_k, "Top-k", *RANGES["top_k"][:2], integer=True),
+                tree=check_tree(tree) if mode in VERIFYING_MODES else None,
             )
         except (TypeError, ValueError) as err:
             raise error(sentence(str(err)), "Bad setting", request) from None
@@ -219,7 +222,8 @@ class DemoHandlers:
 
     def _outputs(self, trace: RaceTrace, panes: tuple[str, ...], charts_due: bool, files: bool | None, session: Session,
                  owner: str | None = None) -> tuple:
-        """RACE_OUTPUTS: both panes, four figures, the JSON and CSV download buttons.
+        """RACE_OUTPUTS: both panes, five figures (the tree shapes' shown in exact and hybrid modes only), the JSON
+        and CSV download buttons.
 
         gr.skip() for what did not change.
         """
@@ -236,7 +240,8 @@ class DemoHandlers:
                 "time_plot": charts.tokens_vs_time(mars, ar),
                 "pass_plot": charts.tokens_per_pass(mars, block),
                 "hist_plot": charts.passes_histogram(mars, block),
-                "summary_plot": charts.summary_table(mars, ar, trace.nll if trace.sampled else None),
+                "summary_plot": charts.summary_table(mars, ar, trace.nll if trace.sampled else None, trace.config.tree),
+                "tree_plot": gr.update(value=charts.tree_shapes(mars, trace.config.tree), visible=trace.verifying),
             }
         if files is True:
             json_path, csv_path = self.traces.write(trace, stem(session.id), owner)
@@ -249,7 +254,7 @@ class DemoHandlers:
     def run(
         self, prompt, spec, tau, block_size, max_new_tokens, metric, temperature, full_window, with_ar,
         session: Session,
-        mode: str = "mars", precision: str | None = None, top_p=1.0, top_k=0,
+        mode: str = "mars", precision: str | None = None, top_p=1.0, top_k=0, tree=None,
         request: gr.Request = None,
     ) -> Iterator[tuple]:
         """Race MARS (or exact / hybrid mode) against AR on one prompt, streaming every forward pass of both.
@@ -265,7 +270,7 @@ class DemoHandlers:
         if not prompt.strip():
             raise error("Type a prompt first, or pick one of the examples.", "Empty prompt", request)
         config = self._config(tau, block_size, max_new_tokens, metric, temperature, full_window, request, mode,
-                              top_p=top_p, top_k=top_k)
+                              top_p=top_p, top_k=top_k, tree=tree)
         config, ar_config = lanes(config)
         path = self._path(precision, request)
         owner = request.session_hash if request is not None else None

@@ -12,7 +12,8 @@ import gradio as gr
 from . import charts
 
 # Each handler's outputs by name, in the order app.py lists the components: the one place that order lives.
-RACE_OUTPUTS = ("mars_pane", "ar_pane", "time_plot", "pass_plot", "hist_plot", "summary_plot", "json_file", "csv_file")
+RACE_OUTPUTS = ("mars_pane", "ar_pane", "time_plot", "pass_plot", "hist_plot", "summary_plot", "tree_plot", "json_file",
+                "csv_file")
 MODEL_OUTPUTS = ("model_line", "model", "block_size", "precision")
 SWEEP_OUTPUTS = ("sweep_status", "sweep_plot", "sweep_table")
 
@@ -55,4 +56,5 @@ def empty_figures() -> dict:
         "pass_plot": charts.tokens_per_pass([]),
         "hist_plot": charts.passes_histogram([]),
         "summary_plot": charts.summary_table([], []),
+        "tree_plot": charts.tree_shapes([]),  # shown for exact and hybrid runs only
     }

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import settings
 from ..engine.checkpoints.loading import BUNDLED
-from ..engine.decoding.config import DecodeConfig
+from ..engine.decoding.config import VERIFYING_MODES, DecodeConfig
 from ..engine.decoding.loop import LiveTau, StepEvent
 from ..engine.decoding.metrics import Rates, speedup
 
@@ -160,6 +160,11 @@ class RaceTrace:
     def sampled(self) -> bool:
         return self.config.temperature > 0
 
+    @property
+    def verifying(self) -> bool:
+        """Exact or hybrid mode: passes verify drafts (a chain, or candidate trees), so they have shapes."""
+        return self.config.mode in VERIFYING_MODES
+
     def to_csv(self) -> str:
         """One row per forward pass; list cells hold JSON (token texts keep their spaces and newlines)."""
         out = io.StringIO()
@@ -194,6 +199,8 @@ def _step_record(step: StepEvent) -> dict:
         "origins": list(step.origins),  # per token: ar, mask, draft (kept), resampled or bonus (decoding/exact.py)
         "tau": step.tau,
         "seconds": round(step.seconds, 6),
+        # verifying passes, as generate --json: per token its tree node's rank (-1: none), the shape verified
+        **({"branches": list(step.branches), "shape": list(step.shape)} if step.shape or step.branches else {}),
     }
 
 

@@ -8,7 +8,9 @@ deepens with the number of tokens that pass accepted; hovering a token shows its
 its confidence, the tau in force and where it came from (a CSS tooltip from ``data-tip``).
 In exact and hybrid modes a token the pass verified from a draft is underlined (dotted),
 unlike those taken on confidence or from the AR head; sampled, the hover also says whether a token was a
-draft kept by the rule, drawn again after a rejection, or the bonus after every draft held.
+draft kept by the rule, drawn again after a rejection, or the bonus after every draft held. With candidate
+trees (DecodeConfig.tree) the hover of a verified draft also names its branch: the main path (every node the
+masks' top guess, the chain's) or which candidate of its position it was, at which depth (``branch_tip``).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ PANE_CSS_BASE = """
 .tok { position: relative; }
 .tok:hover { outline: 1.5px solid #111827; border-radius: 2px; }
 .tok:hover::after { content: attr(data-tip); position: absolute; left: 0; top: calc(100% + 3px);
-  white-space: nowrap; background: #111827; color: #f9fafb; font-size: 12px; line-height: 1.4;
+  white-space: normal; width: max-content; max-width: min(460px, 80vw); background: #111827; color: #f9fafb;
+  font-size: 12px; line-height: 1.4;
   padding: 3px 8px; border-radius: 5px; z-index: 20; pointer-events: none; font-style: normal; }
 .ar .tok:hover { outline-color: #94a3b8; }
 .tok.draft { text-decoration: underline dotted 1.5px; text-underline-offset: 4px; }
@@ -127,15 +130,30 @@ def _stats(steps: Sequence[StepEvent], with_tau: bool) -> str:
     return f'<span class="stats">{" · ".join(parts)}</span>'
 
 
+def branch_tip(step: StepEvent, i: int) -> str:
+    """Which branch of the pass's candidate tree token ``i`` came from ("" for a token that was no tree node).
+
+    The kept path's nodes are the pass's first tokens, depth 1, 2, ...; ``step.branches[i]`` is the rank of
+    token i among its mask's candidates, and the path is the main one while every rank so far is 0."""
+    if i >= len(step.branches) or step.branches[i] < 0:
+        return ""
+    rank, depth = step.branches[i], i + 1
+    if all(b == 0 for b in step.branches[:depth]):
+        return f" · tree: main path (the top candidate at depth {depth})"
+    where = "a side branch" if rank else "under a side branch"
+    return f" · tree: candidate {rank + 1} of its position (depth {depth}, {where})"
+
+
 def _tokens(step: StepEvent, mars: bool) -> str:
     n = len(step.token_ids)
     spans = []
     origins = step.origins or (None,) * n
-    for piece, conf, origin in zip(step.pieces, step.confidences, origins):
+    for i, (piece, conf, origin) in enumerate(zip(step.pieces, step.confidences, origins)):
         if not piece:
             continue  # special tokens (EOS) have no text
         count = f" ({n} token{'s' if n != 1 else ''})" if mars else ""
         source = f" · {ORIGIN_TIPS[origin]}" if mars and origin in ORIGIN_TIPS else ""
+        source += branch_tip(step, i) if mars else ""
         tip = f"pass {step.index + 1}{count} · confidence {conf:.3f} · tau {step.tau:.2f}{source}"
         text = escape(piece)
         if mars:  # MARS pane: make newline tokens visible, or a pass of newlines shows as nothing
