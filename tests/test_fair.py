@@ -355,7 +355,7 @@ def test_every_endpoint_answers_bad_calls_with_a_message(tiny_qwen, tmp_path, mo
         assert answered > 100 and empty == 0
         assert client.predict(0.5, api_name="/set_tau") in (None, ())  # and the app still serves
         event, payload = call(port, "run", [PROMPT])
-        assert event == "error" and payload["error"].startswith("/run takes 14 values (prompt, spec, tau, ")
+        assert event == "error" and payload["error"].startswith("/run takes 15 values (prompt, spec, tau, ")
         assert "session (null)" in payload["error"] and payload["error"].endswith("this call sent 1.")
         event, payload = call(port, "set_tau", [float("nan"), None])  # NaN: JSON's extension, as Python writes it
         assert event == "error" and payload["error"] == "tau must be a number from 0 to 1."
