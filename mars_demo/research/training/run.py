@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -275,6 +276,12 @@ class Run:
         if self.step == self.steps and self.main:
             (self.out_dir / "training.json").write_text(json.dumps(self.summary(), indent=2) + "\n")
         if self.processes > 1:
+            self.accelerator.wait_for_everyone()
+            # DDP's wrapper and the prepared optimizer go first, while every process's group is up: left to
+            # the end of train()'s frame, the main process's gloo group once waited for a peer that had gone
+            self.objective = self.optimizer = None
+            self.accelerator.free_memory()
+            gc.collect()
             self.accelerator.wait_for_everyone()
             self.accelerator.end_training()
 
