@@ -41,6 +41,7 @@ FORMAT = 1  # bumped when what ``save`` writes changes
 FOLDER = "converted"
 STALE_SECONDS = 3600  # a staging file this old has no writer left
 KERNEL_TENSORS = ("packed", "sums", "scales", "bias")  # int8gemm.Weights' tensors
+ALIGNMENT = 64  # bytes: where the kernels may expect a tensor to start (torch's allocator aligns to this)
 _CODE = (Path(quant.__file__), Path(int8gemm.__file__))  # the conversion and the packing: their text keys entries
 
 
@@ -125,9 +126,15 @@ def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         if meta.get("format") != str(FORMAT):
             raise StoredError(f"format {meta.get('format')}, not {FORMAT}")
         names = stored.keys()  # a safe_open handle has no iteration of its own
-        # the tensors stay backed by the file's mapping: copying them out would fault in as many fresh pages again.
-        # An entry is only ever replaced by a rename, never written in place, so a mapping never changes under a model.
-        return {name: stored.get_tensor(name) for name in names}, json.loads(meta.get("aliases", "{}"))
+        # A tensor backed by the file's mapping sits wherever the file's header puts it (8-byte aligned): torch's int8
+        # weight-only GEMM (int8's path) crashed on such weights, so a tensor off a 64-byte boundary is copied out
+        # (torch's own allocations are aligned). An entry is only ever replaced by a rename, never written in place.
+        tensors = {name: _aligned(stored.get_tensor(name)) for name in names}
+        return tensors, json.loads(meta.get("aliases", "{}"))
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
 
 
 def _fill(model: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
