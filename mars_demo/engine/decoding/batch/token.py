@@ -86,13 +86,13 @@ def verify_rows(
 
     logits: (A, 1 + max drafts + L + fallback, vocab); a row's newest pending token is at column max - d.
     """
-    most = max(map(len, drafts))
-    if rule is None or rule.sampling.greedy:  # every row's greedy tokens and confidences in one call and one sync
+    most, greedy = max(map(len, drafts)), rule is None or rule.sampling.greedy
+    if greedy:  # every row's greedy tokens and confidences in one call and one sync
         tokens, conf = (t.tolist() for t in greedy_confidence(logits, metric))
     verdicts = []
     for r, d in enumerate(drafts):
         start, fallback = most - len(d), slice(-L, None) if d else slice(0, 0)
-        if rule is None or rule.sampling.greedy:
+        if greedy:
             tok, cf = tokens[r], conf[r]
             verdicts.append(exact.read_verdict(tok[start : start + 1 + len(d) + L] + tok[fallback],
                                                cf[start : start + 1 + len(d) + L] + cf[fallback], d, L, tau, metric))
