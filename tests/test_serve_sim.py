@@ -82,6 +82,21 @@ def test_cli_writes_json_and_self_contained_html(model_dir, tmp_path, capsys):
     assert "fixed:1" in capsys.readouterr().out
 
 
+def test_cli_without_plotly_writes_the_json_alone(model_dir, tmp_path, monkeypatch, capsys):
+    """A machine without plotly (the lent GPU's image) still gets the report; the page is skipped, said once."""
+    from mars_demo.research import simulation_report
+
+    monkeypatch.setattr(simulation_report, "pio", None)
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp_path / "sim"
+    code = main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "3", "--policies", "fixed:1.0",
+                 "--prompts", str(prompts), "--max-new-tokens", "4", "--out", str(out), "--precision", "fp32",
+                 "--no-quality"])
+    assert code == 0 and (out / "serve-sim.json").is_file() and not (out / "serve-sim.html").exists()
+    assert "no HTML page: plotly is not installed" in capsys.readouterr().out
+
+
 def test_auto_chooses_the_path_for_the_batch_it_serves(model_dir, tmp_path, monkeypatch):
     table = {  # int8 cheapest at one token, int8dyn at two rows and more (this CPU's shape)
         "fp32": {"costs_ms": {1: 60, 2: 100}, "dnll": 0.0}, "bf16": {"costs_ms": {1: 38, 2: 53}, "dnll": 0.0},
@@ -112,6 +127,48 @@ def test_cli_cost_model_clocks(model_dir, tmp_path, clock):
     assert report["clock"].startswith("cost model") and report["curve_ms"]
     assert report["surface"]["simulated"] and report["surface"]["name"] == clock
     assert report["settings"]["clock"] == clock and "delta_nll_base" not in report["policies"][0]["summary"]
+
+
+def _surface_table(tmp_path, name, per_width):
+    """A cost-surfaces.json with one entry: ms = 10 x rows + per_width x width."""
+    rows, widths = [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]
+    ms = [[10.0 * r + per_width * w for w in widths] for r in rows]
+    path = tmp_path / name
+    path.write_text(json.dumps({"GPU X|model=m": {"name": "measured", "rows": rows, "widths": widths, "ms": ms}}))
+    return path
+
+
+@pytest.mark.parametrize("per_width, wide", [(0.0, True), (1000.0, False)])
+def test_cli_prices_passes_on_a_surface_measured_elsewhere(model_dir, tmp_path, per_width, wide):
+    """--surface: the same controller feeds masks where that surface makes width free, AR passes where it is dear."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    out = tmp_path / "sim"
+    assert main(["serve-sim", "--model", model_dir, "--rate", "40", "--requests", "4", "--policies", "fixed:0.0",
+                 "--prompts", str(prompts), "--max-new-tokens", "8", "--max-batch", "2", "--out", str(out),
+                 "--precision", "fp32", "--no-quality", "--clock", "tokens-fed",
+                 "--surface", str(_surface_table(tmp_path, "s.json", per_width))]) == 0
+    report = json.loads((out / "serve-sim.json").read_text())
+    assert "measured elsewhere: GPU X|model=m" in report["clock"] and "--surface" in report["command"]
+    width = report["policies"][0]["summary"]["width_mean"]
+    assert (width > 1.5) if wide else (width == 1.0)
+
+
+def test_a_surface_file_that_cannot_price_passes_is_one_line(tmp_path, capsys):
+    two = _surface_table(tmp_path, "two.json", 1.0)
+    table = json.loads(two.read_text())
+    two.write_text(json.dumps(table | {"another": next(iter(table.values()))}))
+    holed = _surface_table(tmp_path, "holed.json", 1.0)
+    table = json.loads(holed.read_text())
+    next(iter(table.values()))["ms"][1][2] = float("nan")
+    holed.write_text(json.dumps(table))
+    for path, message in [(tmp_path / "none.json", "cannot read the cost surface"),
+                          (two, "holds 2 cost surfaces"), (holed, "cost surface")]:
+        assert main(["serve-sim", "--rate", "1", "--clock", "width-free", "--surface", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert main(["serve-sim", "--rate", "1", "--surface", str(two)]) == 2
+    assert "add --clock tokens-fed" in capsys.readouterr().err
 
 
 def test_cost_models_follow_the_surface():

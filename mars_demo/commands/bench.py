@@ -191,5 +191,5 @@ def run(args: argparse.Namespace) -> int:
     profile = report["profile"]["mars"]["ms_per_pass"]
     print(f"\nMARS pass at batch 1, tau {report['profile']['tau']:g}: "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in profile.items()))
-    print(f"\nwrote {args.out} and {html_path}")
+    print(f"\nwrote {args.out}" + (f" and {html_path}" if html_path else " (no HTML page: plotly is not installed)"))
     return 0

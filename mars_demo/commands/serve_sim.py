@@ -19,7 +19,7 @@ from ..cli import UserError, add_model_argument, add_precision_argument
 from ..engine.checkpoints.loading import BUNDLED_BASE, default_precision, load_model
 from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.config import VERIFYING_MODES
-from ..engine.decoding.width import surface_for
+from ..engine.decoding.width import read_surface, surface_for
 from ..engine.serving.policies import DEFAULT_LADDER, POLICY_HELP, split_policies
 from ..engine.serving.replay import ARRIVALS, LIMITS, SimConfig
 from ..research.distillation import read_prompts
@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measured: the clock advances by measured pass times; tokens-fed / width-free: "
                         "deterministic cost models on the measured cost surface, this machine's shape (a pass costs "
                         "its rows and width) and a GPU's (a pass costs its rows, whatever its width)")
+    parser.add_argument("--surface", type=Path, default=None,
+                        help="price the cost-model clocks on the cost surface in this file (a cost-surfaces.json "
+                        "entry, e.g. one measured on a GPU) instead of this machine's; needs --clock tokens-fed "
+                        "or width-free")
     parser.add_argument(
         "--pass-costs", action="store_true", help="also list the cost surface's ms per pass at rows 1,2,4,8 x width 1-5"
     )
@@ -80,27 +84,40 @@ def command_line(args: argparse.Namespace) -> str:
              "--mode", args.mode, "--clock", args.clock, "--out", str(args.out)]
     if args.precision:
         parts += ["--precision", args.precision]
+    parts += ["--surface", str(args.surface)] if args.surface else []
     parts += ["--pass-costs"] if args.pass_costs else []
     parts += ["--no-quality"] if args.no_quality else []
     return shlex.join(parts)
 
 
+def given_surface(args: argparse.Namespace) -> tuple | None:
+    """--surface's (surface, where it was measured), checked before the model loads."""
+    if args.surface is None:
+        return None
+    if args.clock == "measured":
+        raise UserError("--surface prices a cost-model clock: add --clock tokens-fed or --clock width-free")
+    try:
+        return read_surface(args.surface)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..research.benchmark import machine
-    from ..research.simulation_report import format_totals, write_report  # plotly: only this command needs it
-    from ..ui.charts import serving_figures, surface_heatmap
+    from ..research.simulation_report import format_totals, pio, write_report
 
     config = parse_config(args)  # every value checked before the model loads
     if not args.prompts.is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
+    elsewhere = given_surface(args)
     lm = load_model(args.model, precision=args.precision or default_precision(), rows=config.max_batch)
     pool = [prompt_ids(lm.tokenizer, p) for p in read_prompts(args.prompts) if p.strip()]
     if not pool:
         raise UserError(f"no prompts in {args.prompts}")
     base = None if args.no_quality else (lm.backend if args.base == args.model else load_model(args.base).backend)
-    measured = surface_for(lm)
+    measured = elsewhere[0] if elsewhere else surface_for(lm)
     if args.clock != "measured" and measured is None:
-        raise UserError(f"--clock {args.clock} needs a measured CPU compute path: pass --precision on a CPU")
+        raise UserError(f"--clock {args.clock} needs a measured cost surface: pass --precision on a CPU, or --surface")
     pass_cost = model_cost(measured, args.clock) if args.clock != "measured" else None
     surface = clock_surface(pass_cost, args.clock) if pass_cost is not None else measured
     bar = tqdm(total=config.requests * len(config.policies), desc="serve-sim", unit="request")
@@ -111,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(args), "argv": sys.argv, "model": lm.name, "machine": machine(lm),
-        "clock": CLOCKS[args.clock], "curve_ms": lm.compute.costs_ms if lm.compute else None,
+        "clock": CLOCKS[args.clock] + (f" Priced on a surface measured elsewhere: {elsewhere[1]}" if elsewhere else ""),
+        "curve_ms": lm.compute.costs_ms if lm.compute else None,
         "surface": surface.record() if surface is not None else None,
         "settings": {**vars(config), "policies": list(config.policies), "block_size": lm.meta.block_size,
                      "prompts": str(args.prompts), "pool": len(pool), "base": None if base is None else args.base,
@@ -124,9 +142,13 @@ def run(args: argparse.Namespace) -> int:
             {"rows": r, "width": w, "tokens": r * w, "ms": round(measured.ms(r, w), 2)}
             for r in (1, 2, 4, 8) for w in (1, 2, 3, 4, 5)
         ] if measured is not None else None
-    figures = serving_figures({p["summary"]["policy"]: p["series"] for p in report["policies"]})
-    figures += [surface_heatmap(surface)] if surface is not None else []
+    figures = []
+    if pio is not None:  # the page's charts; without plotly the JSON alone
+        from ..ui.charts import serving_figures, surface_heatmap
+
+        figures = serving_figures({p["summary"]["policy"]: p["series"] for p in report["policies"]})
+        figures += [surface_heatmap(surface)] if surface is not None else []
     json_path, html_path = write_report(report, args.out, figures)
     print(format_totals([p["summary"] for p in report["policies"]]))
-    print(f"\nwrote {json_path} and {html_path}")
+    print(f"\nwrote {json_path}" + (f" and {html_path}" if html_path else " (no HTML page: plotly is not installed)"))
     return 0

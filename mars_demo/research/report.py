@@ -10,8 +10,11 @@ import html
 import json
 from pathlib import Path
 
-import plotly.graph_objects as go
-import plotly.io as pio
+try:
+    import plotly.graph_objects as go
+    import plotly.io as pio
+except ModuleNotFoundError:  # the JSON report needs no plotly (a GPU machine without it): no page then
+    go = pio = None
 
 from .benchmark import TAU_METHODS
 from .tables import cell, text_table
@@ -137,11 +140,14 @@ def to_html(report: dict) -> str:
     )
 
 
-def write_report(report: dict, json_path: str | Path) -> Path:
-    """Write ``report.json`` and the HTML page beside it (same name, .html); returns the HTML path."""
+def write_report(report: dict, json_path: str | Path) -> Path | None:
+    """Write ``report.json`` and the HTML page beside it (same name, .html); returns the HTML path,
+    None where plotly is not installed (the JSON alone)."""
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if pio is None:
+        return None
     html_path = json_path.with_suffix(".html")
     html_path.write_text(to_html(report), encoding="utf-8")
     return html_path

@@ -11,8 +11,11 @@ import html
 import json
 from pathlib import Path
 
-import plotly.graph_objects as go
-import plotly.io as pio
+try:
+    import plotly.graph_objects as go
+    import plotly.io as pio
+except ModuleNotFoundError:  # the JSON report needs no plotly (a GPU machine without it): no page then
+    go = pio = None
 
 from .tables import cell, text_table
 
@@ -87,11 +90,13 @@ def to_html(report: dict, figures: list[go.Figure]) -> str:
     )
 
 
-def write_report(report: dict, out_dir: str | Path, figures: list[go.Figure]) -> tuple[Path, Path]:
-    """serve-sim.json and serve-sim.html in ``out_dir``; returns both paths."""
+def write_report(report: dict, out_dir: str | Path, figures: list[go.Figure]) -> tuple[Path, Path | None]:
+    """serve-sim.json and serve-sim.html in ``out_dir``; returns both paths (the page None without plotly)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, html_path = out_dir / "serve-sim.json", out_dir / "serve-sim.html"
     json_path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if pio is None:
+        return json_path, None
     html_path.write_text(to_html(report, figures), encoding="utf-8")
     return json_path, html_path

@@ -388,25 +388,53 @@ _SURFACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> i
 
 
 def surface_for(lm: LoadedModel) -> Surface | None:
-    """The measured surface of a model on a measured CPU compute path, cached on disk with the path's cost table.
+    """The measured surface of a model on its measured CPU compute path or on a GPU, cached on disk.
 
-    None where there is no measured path (a GPU, a model loaded as it is): width is then taken to be free.
+    None where nothing is measured (a CPU model loaded as it is): width is then taken to be free.
     """
-    if lm.compute is None:
+    if lm.compute is None and lm.device.type != "cuda":
         return None
     if lm.model not in _SURFACES:
-        from ..backends.cpu.paths import (
-            table_key,  # the compute path's own key: the same machine, kernels, model and path
-        )
-
-        key = f"{table_key(lm.model, range(1, 2))}|path={lm.compute.path}"
-        _SURFACES[lm.model] = cached_surface(lm.backend, key, cache_dir())
+        _SURFACES[lm.model] = cached_surface(lm.backend, _surface_key(lm), cache_dir())
     return _SURFACES[lm.model]
+
+
+def _surface_key(lm: LoadedModel) -> str:
+    """What a surface holds for: the CPU compute path's own cost-table key, or the GPU, libraries and model."""
+    if lm.compute is not None:
+        from ..backends.cpu.paths import table_key  # the same machine, kernels, model and path
+
+        return f"{table_key(lm.model, range(1, 2))}|path={lm.compute.path}"
+    import transformers
+
+    name = getattr(lm.model.config, "_name_or_path", "") or lm.model.config.model_type
+    params = sum(p.numel() for p in lm.model.parameters())
+    return "|".join([
+        torch.cuda.get_device_name(lm.device), f"torch={torch.__version__}", f"cuda={torch.version.cuda}",
+        f"transformers={transformers.__version__}", f"model={name}", f"params={params}", f"dtype={lm.model.dtype}",
+        f"backend={type(lm.backend).__name__}",
+    ])
 
 
 def known_surface(lm: LoadedModel) -> Surface | None:
     """The surface ``surface_for`` measured or read for ``lm`` in this process, if any (reports, no measuring)."""
     return _SURFACES.get(lm.model)
+
+
+def read_surface(path: Path) -> tuple[Surface, str]:
+    """A surface saved elsewhere (serve-sim --surface): a Surface record, or a cost-surfaces.json holding
+    one entry. Returns it and where it came from (the entry's key); any other content is one ValueError."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read the cost surface {path}: {err}") from None
+    if isinstance(data, dict) and "ms" not in data:  # a cost-surfaces.json table: key -> record
+        if len(data) != 1:
+            raise ValueError(f"{path} holds {len(data)} cost surfaces: keep the one to price passes on")
+        (source, data), = data.items()
+    else:
+        source = str(path)
+    return Surface.from_record(data), source  # anything but a record: one ValueError
 
 
 def affordable_rate(surface: Surface, rows: int, tokens_per_request: float) -> float:

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU recipe's second call (CONTRIBUTING.md, "On a GPU"): train from the base, then measure.
+#
+#   scripts/gpu_session.sh SECONDS
+#
+# Runs from the repository root on the device machine after the base GGUF was put together under
+# /tmp/site (CONTRIBUTING.md). Every step has a deadline inside SECONDS, so what finished comes back
+# even when a step runs long: a cut training run leaves its last checkpoint's adapter. Results go to
+# $OUT (at most 8 files come back): the adapter in 15 MB pieces and one tarball of the small files.
+# QUICK=1 runs every step at toy size on any device (to check the script before spending GPU time).
+set -u
+budget=${1:-480}
+begin=$SECONDS
+OUT=${OUT:-/tmp/gpu-out}
+runs=/tmp/runs
+mkdir -p "$OUT/small" "$runs"
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} MARS_DEMO_CACHE=${MARS_DEMO_CACHE:-/tmp/mc} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+log=$OUT/small/log.txt
+left() { echo $((budget - (SECONDS - begin) - 25)); }  # 25 s kept for packing
+step() {  # step NAME SHARE_OF_WHAT_IS_LEFT(%) COMMAND...: run with a deadline, log it
+    local name=$1 share=$2; shift 2
+    local limit=$(( $(left) * share / 100 ))
+    if [ "$limit" -lt 20 ]; then echo "== $name: skipped, $(left) s left" >>"$log"; return; fi
+    echo "== $name ($limit s at most, $(left) s left): $*" >>"$log"
+    local t0=$SECONDS
+    timeout --signal=INT --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+    echo "== $name: rc $? after $((SECONDS - t0)) s" >>"$log"
+}
+
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1; lscpu | grep "Model name"
+  $py -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"; } >>"$log" 2>&1
+
+if [ "${QUICK:-0}" = 1 ]; then
+    train_size=(--max-rows 8 --max-steps 2 --batch-size 2 --val-rows 2 --save-every 1)
+    bench_size=(--limit 1 --max-new-tokens 8 --batch-sizes 1,2)
+    sim_size=(--requests 3 --max-new-tokens 8)
+    device=(--device cpu)
+else
+    train_size=(--epochs "${EPOCHS:-3}" --batch-size 16 --lr "${LR:-6e-4}" --save-every 100 --val-every 400)
+    bench_size=(--limit 8 --max-new-tokens 96 --batch-sizes 1,2,4,8)
+    sim_size=(--requests 120 --max-new-tokens 64)
+    device=()
+fi
+model=$runs/gpu
+# 1. MARS fine-tuning from the base on every row (LoRA r64: the bundled adapter's form and size)
+[ "${SKIP_TRAIN:-0}" = 1 ] || step train 60 $py -m mars_demo train --base smollm2-135m --data assets/data/distill.jsonl --out "$model" \
+    --val-data assets/data/heldout_val64.jsonl --ar-weight 2.0 "${train_size[@]}" "${device[@]}"
+[ -f "$model/adapter_model.safetensors" ] || model=smollm2-135m-mars  # no adapter: measure the bundled one
+# 2. single-sequence and batch speed on the GPU's own measured cost surface
+step bench 40 $py -m mars_demo bench --model "$model" --prompts assets/data/heldout_varied32.json --taus 0.9 \
+    --methods hf_generate,ar,mars,mars_exact,ar_batch_ours,mars_batch_token,exact_batch "${bench_size[@]}" \
+    "${device[@]}" --out "$OUT/small/bench-eager.json"
+# 3. serving on the measured clock, then on the width-free model of it
+for clock in measured width-free; do
+    step "serve-sim $clock" 35 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
+        --policies fixed:1.0,fixed:0.9,adaptive --arrivals poisson --mode mars --no-quality --clock $clock \
+        "${sim_size[@]}" --out "$OUT/small/serve-$clock"
+done
+# 4. the compiled path (CUDA graphs)
+[ "${QUICK:-0}" = 1 ] || step compiled 90 $py -m mars_demo bench --model "$model" \
+    --prompts assets/data/heldout_varied32.json --taus 0.9 --methods ar,mars,mars_exact "${bench_size[@]}" \
+    --batch-sizes 1 --compile --out "$OUT/small/bench-compiled.json"
+
+# pack: the run's small files in one tarball, the adapter in pieces under 16 MB
+for f in training.json loss.jsonl val.jsonl mars.json adapter_config.json; do
+    [ -f "$runs/gpu/$f" ] && cp "$runs/gpu/$f" "$OUT/small/"
+done
+cp "$MARS_DEMO_CACHE"/cost-surfaces.json "$OUT/small/" 2>/dev/null
+rm -f "$OUT"/small/*/*.html "$OUT"/small/*.html  # the reports' HTML is rebuilt from the JSON where needed
+tar -czf "$OUT/small.tgz" -C "$OUT" small && rm -rf "$OUT/small"
+[ -f "$runs/gpu/adapter_model.safetensors" ] && split -b 15M "$runs/gpu/adapter_model.safetensors" "$OUT/adapter.part-"
+ls -la "$OUT"
