@@ -149,7 +149,7 @@ def test_cli_prices_passes_on_a_surface_measured_elsewhere(model_dir, tmp_path, 
                  "--precision", "fp32", "--no-quality", "--clock", "tokens-fed",
                  "--surface", str(_surface_table(tmp_path, "s.json", per_width))]) == 0
     report = json.loads((out / "serve-sim.json").read_text())
-    assert "measured elsewhere: GPU X|model=m" in report["clock"] and "--surface" in report["command"]
+    assert "measured on another machine: GPU X|model=m" in report["clock"] and "--surface" in report["command"]
     width = report["policies"][0]["summary"]["width_mean"]
     assert (width > 1.5) if wide else (width == 1.0)
 

@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(args), "argv": sys.argv, "model": lm.name, "machine": machine(lm),
-        "clock": CLOCKS[args.clock] + (f" Priced on a surface measured elsewhere: {elsewhere[1]}" if elsewhere else ""),
+        "clock": CLOCKS[args.clock] + (f" The surface was measured on another machine: {elsewhere[1]}"
+                                       if elsewhere else ""),
         "curve_ms": lm.compute.costs_ms if lm.compute else None,
         "surface": surface.record() if surface is not None else None,
         "settings": {**vars(config), "policies": list(config.policies), "block_size": lm.meta.block_size,

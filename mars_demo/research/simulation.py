@@ -54,9 +54,9 @@ def add_quality(summaries: list[dict], runs: list[PolicyRun], reference: PolicyR
 CLOCKS = {
     "measured": "simulated clock: advances by the measured seconds of every forward pass (prefills included), "
     "jumps idle time to the next arrival; host work between passes is not charged",
-    "tokens-fed": "cost model (this machine's shape): every pass, prefills included, is charged the measured cost "
-    "surface's ms at its rows and tokens per row (interpolated; past the grid, its last slope). Deterministic; "
-    "tokens, acceptance and quality are real, only the clock is modelled",
+    "tokens-fed": "cost model (the surface's shape: this machine's, or --surface's): every pass, prefills included, "
+    "is charged the measured cost surface's ms at its rows and tokens per row (interpolated; past the grid, its "
+    "last slope). Deterministic; tokens, acceptance and quality are real, only the clock is modelled",
     "width-free": "cost model (GPU shape): a decoding pass of R rows is charged the surface's one-token cost at R "
     "rows, whatever its width, as on a GPU where a model this small is launch- or memory-bound; prefills as in "
     "tokens-fed",
