@@ -159,6 +159,18 @@ def test_a_curve_takes_at_least_its_rounds_and_more_while_time_is_left(monkeypat
     assert len(passes) == 1 + 2 * (5 + 2)  # time was left: rounds up to the most
 
 
+def test_a_curve_slowed_by_other_load_is_bounded_by_its_wider_passes(tmp_path):
+    """A curve measured beside other work (the fastest round of width 2 still slowed) is read as the wider
+    passes bound it, when measured and when read from a table written before: it cannot turn exact mode off."""
+    slowed = {1: 3.21, 2: 7.11, 3: 7.25, 4: 7.39, 5: 3.49, 6: 7.68, 7: 7.9, 8: 7.99}
+    assert paths.monotone_curve(slowed) == {1: 3.21, 2: 3.49, 3: 3.49, 4: 3.49, 5: 3.49, 6: 7.68, 7: 7.9, 8: 7.99}
+    quiet = {1: 2.22, 2: 2.24, 3: 2.4, 4: 2.51}
+    assert paths.monotone_curve(quiet) == quiet
+    entry = {"int8dyn": {"costs_ms": {str(w): ms for w, ms in slowed.items()}, "dnll": 0.0}}
+    read = paths._chosen(entry, "int8dyn", ("int8dyn",), rows=1, block_size=4, rate=paths.ar_rate, cached=True)
+    assert read.costs_ms[2] == 3.49 and list(read.costs_ms.values()) == sorted(read.costs_ms.values())
+
+
 def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, monkeypatch):
     calls = []
     real = paths.pass_costs

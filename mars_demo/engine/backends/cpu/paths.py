@@ -141,7 +141,18 @@ def pass_costs(
                 backend.forward(ids[:, context : context + width], cache, keep=width)
                 times[width].append(time.perf_counter() - started)
                 cache.crop(width)
-    return {width: round(min(seen[2:]) * 1000, 2) for width, seen in times.items()}  # load only ever adds time
+    return monotone_curve({width: round(min(seen[2:]) * 1000, 2) for width, seen in times.items()})
+
+
+def monotone_curve(costs: dict[int, float]) -> dict[int, float]:
+    """No width above a wider one: a pass that feeds more cannot cost less, so where a width's fastest
+    round still costs more than a wider pass's, other load slowed all its rounds (load only ever adds
+    time) and the wider pass's cost bounds it. Also applied to curves read from the table, measured before."""
+    out, bound = {}, float("inf")
+    for width in sorted(costs, reverse=True):
+        bound = min(bound, costs[width])
+        out[width] = bound
+    return dict(sorted(out.items()))
 
 
 def _held_out_texts(rows: range) -> list[str]:
@@ -398,7 +409,7 @@ def _chosen(
     chosen = precision
     if precision == "auto":
         chosen = choose_path({p: entry[p] for p in paths}, rows=rows, block_size=block_size, rate=rate)
-    costs = {int(w): ms for w, ms in entry[chosen]["costs_ms"].items()}
+    costs = monotone_curve({int(w): ms for w, ms in entry[chosen]["costs_ms"].items()})
     return ComputePath(
         path=chosen, requested=precision, costs_ms=costs, max_fed=cap_from_costs(costs), dnll=entry[chosen]["dnll"],
         cpu=cpu_model(), threads=torch.get_num_threads(),
