@@ -10,7 +10,16 @@ from mars_demo.cli import main
 from mars_demo.engine.backends.cpu import paths
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.width import Surface
-from mars_demo.engine.serving.replay import BURST, SimConfig, arrival_times, make_requests, percentile
+from mars_demo.engine.serving.replay import (
+    BURST,
+    SimConfig,
+    arrival_times,
+    make_requests,
+    percentile,
+    replay,
+    request_records,
+    summarise,
+)
 from mars_demo.research.simulation import clock_surface, model_cost, simulate
 from mars_demo.research.simulation_report import format_totals, to_html
 from mars_demo.ui.charts import rolling_throughput, serving_figures
@@ -58,6 +67,20 @@ def test_simulation_on_a_tiny_model(tiny_qwen):
     all_series = {p["summary"]["policy"]: p["series"] for p in result["policies"]}
     assert all(len(fig.data) == 3 for fig in serving_figures(all_series))  # one curve per policy
     assert "fixed:0.15" in format_totals([p["summary"] for p in result["policies"]])
+
+
+def test_policies_take_turns_pass_by_pass(tiny_qwen):
+    """The replays alternate, so a drifting machine slows each policy alike; each still serves every request
+    exactly once, as it does replayed alone."""
+    config = SimConfig(rate=50.0, requests=5, policies=("fixed:1.0", "fixed:0.15"), max_batch=2, max_new_tokens=8)
+    pool = [prompt_ids(tiny_qwen.tokenizer, p) for p in PROMPTS]
+    seen = []
+    result = simulate(tiny_qwen, config, pool, on_event=lambda name, event: seen.append(name))
+    assert seen[:4] == ["fixed:1", "fixed:0.15", "fixed:1", "fixed:0.15"]
+    alone = replay(tiny_qwen, config, "fixed:0.15", make_requests(config, pool))
+    together = result["policies"][1]
+    assert together["summary"]["done"] == 5 and together["summary"]["tokens"] == summarise(alone)["tokens"]
+    assert [r["token_ids"] for r in together["requests"]] == [r["token_ids"] for r in request_records(alone)]
 
 
 def test_rolling_throughput():

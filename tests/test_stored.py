@@ -123,6 +123,12 @@ def test_a_merged_adapter_is_not_stored_as_its_base(model_dir, cache, tmp_path):
     lora.save_pretrained(tmp_path / "adapter")
     config = tmp_path / "adapter" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": model_dir}))
-    loading.load_model(str(tmp_path / "adapter"), precision="int8dyn")
+    merged = loading.load_model(str(tmp_path / "adapter"), precision="int8dyn")
     warm.wait_stored()
     assert not list((cache / stored.FOLDER).glob("*.safetensors"))
+    # nor measured as its base: its own cost table entry and int8dyn calibration (keyed by the adapter's bits)
+    from mars_demo.engine.backends.cpu import paths
+
+    plain = loading.load_model(model_dir, precision="int8dyn")
+    assert paths.model_key(merged.model) != paths.model_key(plain.model)
+    assert "+adapter-" in merged.model.config._name_or_path

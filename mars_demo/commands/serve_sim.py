@@ -1,8 +1,8 @@
 """``serve-sim``: replay seeded arrivals through the serving loop under several tau policies.
 
-Every policy serves the same requests in this process, on a simulated clock driven by
-the measured pass times (mars_demo/research/simulation.py says exactly how). Prints the totals
-and writes serve-sim.json and a self-contained serve-sim.html (one curve per policy).
+Every policy serves the same requests in this process, the policies taking turns pass by pass, on a
+simulated clock driven by the measured pass times (mars_demo/research/simulation.py says exactly how).
+Prints the totals and writes serve-sim.json and a self-contained serve-sim.html (one curve per policy).
 """
 
 from __future__ import annotations

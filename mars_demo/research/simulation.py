@@ -26,6 +26,7 @@ from ..engine.serving.replay import (
     PolicyRun,
     SimConfig,
     add_agreement,
+    live_replay,
     make_requests,
     reference_done,
     replay,
@@ -77,6 +78,32 @@ def clock_surface(pass_cost: PassCost, clock: str) -> Surface:
     return Surface.from_cost(lambda rows, width: pass_cost(rows, width, "decode", 0.0) * 1000, name=clock)
 
 
+def interleaved(
+    lm: LoadedModel, config: SimConfig, requests: Sequence, *, deadline: float | None = None,
+    on_event: Callable[[str, LoopEvent], object] | None = None, pass_cost: PassCost | None = None,
+    surface: Surface | None = None,
+) -> list[PolicyRun]:
+    """Every policy's replay, taking turns pass by pass: each policy's clock is its own, but on the measured
+    clock a machine whose speed drifts (10-30% within minutes on a shared VM) slows every policy alike
+    instead of the ones replayed last. ``deadline``: wall seconds per policy (the turns share the wall)."""
+    names = [parse_policy(spec).name for spec in config.policies]
+    wall = None if deadline is None else deadline * len(names)
+    replays = [live_replay(lm, config, spec, requests, pass_cost=pass_cost, deadline=wall, surface=surface)
+               for spec in config.policies]
+    latest: list[PolicyRun | None] = [None] * len(replays)
+    going = list(range(len(replays)))
+    while going:
+        for i in list(going):
+            run = next(replays[i], None)
+            if run is None:
+                going.remove(i)
+                continue
+            latest[i] = run
+            if on_event is not None:
+                on_event(names[i], run.events[-1])
+    return [run or replay(lm, config, spec, [], surface=surface) for run, spec in zip(latest, config.policies)]
+
+
 def simulate(
     lm: LoadedModel, config: SimConfig, pool: Sequence[Sequence[int]], *, base: Backend | None = None,
     deadline: float | None = None, on_event: Callable[[str, LoopEvent], object] | None = None,
@@ -89,12 +116,8 @@ def simulate(
     """
     requests = make_requests(config, pool)
     warm_up(lm, config, requests)
-    runs = []
-    for spec in config.policies:
-        name = parse_policy(spec).name
-        hook = None if on_event is None else (lambda event, name=name: on_event(name, event))
-        runs.append(replay(lm, config, spec, requests, pass_cost=pass_cost, deadline=deadline, on_event=hook,
-                           surface=surface))
+    runs = interleaved(lm, config, requests, deadline=deadline, on_event=on_event, pass_cost=pass_cost,
+                       surface=surface)
     summaries = [summarise(run) for run in runs]
     reference = next((r for r in runs if r.policy == REFERENCE), None)
     if base is not None:

@@ -288,6 +288,13 @@ def _merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel
         return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
 
 
+def _adapter_name(adapter_dir: Path) -> str:
+    """An adapter merged at load, named by its folder and the digest of its weights (a retrained one differs)."""
+    weights = sorted(Path(adapter_dir).glob("adapter_model.*"))
+    digest = hashlib.sha256(weights[0].read_bytes()).hexdigest()[:16] if weights else "no-weights"
+    return f"{Path(adapter_dir).resolve().name}-{digest}"
+
+
 def _adapter_base(adapter_dir: Path) -> str:
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     return config.get("base_model_name_or_path") or BUNDLED_BASE
@@ -377,6 +384,8 @@ def load_model(
             base, keep = str(merged_bundled_dir()), on_path  # the merged weights now have files of their own
             _save_atomically(model, tokenizer, Path(base))
             model.config._name_or_path = base  # named (compute table key) as later loads from it
+        else:  # named by the adapter too: its cost table, calibration and dNLL check are not its base's
+            model.config._name_or_path = f"{base}+{_adapter_name(adapter_dir)}"
     model.eval()
     meta = resolve_meta(tokenizer, saved, spec, block_size, mask_token)
     compute = None
