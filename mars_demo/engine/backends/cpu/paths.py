@@ -145,14 +145,10 @@ def pass_costs(
 
 
 def monotone_curve(costs: dict[int, float]) -> dict[int, float]:
-    """No width above a wider one: a pass that feeds more cannot cost less, so where a width's fastest
-    round still costs more than a wider pass's, other load slowed all its rounds (load only ever adds
-    time) and the wider pass's cost bounds it. Also applied to curves read from the table, measured before."""
-    out, bound = {}, float("inf")
-    for width in sorted(costs, reverse=True):
-        bound = min(bound, costs[width])
-        out[width] = bound
-    return dict(sorted(out.items()))
+    """No width above a wider one: a pass feeding more cannot cost less, so a width whose fastest round still
+    costs more was slowed by other load (which only adds time) and the wider pass bounds it. Read curves too."""
+    widths = sorted(costs)
+    return {w: min(costs[v] for v in widths[i:]) for i, w in enumerate(widths)}
 
 
 def _held_out_texts(rows: range) -> list[str]:
