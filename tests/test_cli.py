@@ -58,7 +58,9 @@ def test_generate_exact_mode_prints_the_origin_of_each_token_greedy_or_sampled(m
     sampled = run(*flags)
     assert run(*flags)["token_ids"] == sampled["token_ids"]  # seeded: reproducible
     origins = {o for s in sampled["steps"] for o in s["origins"]}
-    assert origins <= {"ar", "draft", "resampled", "bonus"} and len(sampled["token_ids"]) == 12
+    assert origins <= {"ar", "draft", "resampled", "bonus"}
+    # a sampled run may draw a stop id; which one it draws depends on the layouts, priced on this machine's curve
+    assert len(sampled["token_ids"]) == 12 or (sampled["finish_reason"] == "eos" and len(sampled["token_ids"]) < 12)
 
 
 def test_generate_plain_text_and_line_prompts(model_dir, tmp_path, capsys):
