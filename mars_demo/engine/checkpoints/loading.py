@@ -156,8 +156,7 @@ def merged_bundled_dir() -> Path:
 
     Merging through peft takes seconds (and importing peft more); a merged copy loads in under one.
     """
-    digest = hashlib.sha256((BUNDLED_ADAPTER / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
-    return cache_dir() / f"{BUNDLED}-{digest}"
+    return cache_dir() / f"{BUNDLED}-{_adapter_digest(BUNDLED_ADAPTER)}"
 
 
 def pick_device(device: str | None = None, precision: str | None = None) -> tuple[torch.device, torch.dtype]:
@@ -288,11 +287,15 @@ def _merge_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel
         return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
 
 
-def _adapter_name(adapter_dir: Path) -> str:
-    """An adapter merged at load, named by its folder and the digest of its weights (a retrained one differs)."""
+def _adapter_digest(adapter_dir: Path) -> str:
+    """The first 16 hex digits of the sha256 of an adapter's weights (a retrained adapter differs)."""
     weights = sorted(Path(adapter_dir).glob("adapter_model.*"))
-    digest = hashlib.sha256(weights[0].read_bytes()).hexdigest()[:16] if weights else "no-weights"
-    return f"{Path(adapter_dir).resolve().name}-{digest}"
+    return hashlib.sha256(weights[0].read_bytes()).hexdigest()[:16] if weights else "no-weights"
+
+
+def _adapter_name(adapter_dir: Path) -> str:
+    """An adapter merged at load, named by its folder and the digest of its weights."""
+    return f"{Path(adapter_dir).resolve().name}-{_adapter_digest(adapter_dir)}"
 
 
 def _adapter_base(adapter_dir: Path) -> str:
