@@ -32,6 +32,7 @@ import torch
 
 from mars_demo import settings
 from mars_demo.engine.backends.cpu.paths import prebuild
+from mars_demo.engine.backends.placement import choose_host_threads
 from mars_demo.engine.checkpoints.loading import BUNDLED, DEFAULT_BLOCK_SIZE, load_for_decoding
 from mars_demo.engine.decoding.config import METRICS, RANGES, DecodeConfig
 from mars_demo.ui.examples import EXAMPLE_PROMPTS
@@ -435,7 +436,7 @@ def main() -> None:
     if problem:
         logger.warning("%s", problem)
     if threads is not None:
-        torch.set_num_threads(threads)
+        choose_host_threads(threads)
         logger.info("decoding on %d torch threads (MARS_DEMO_THREADS; docs/hosting.md)", threads)
     if not torch.cuda.is_available():
         prebuild()  # a first start's CPU kernels build while the server starts and the first page loads

@@ -297,7 +297,7 @@ THREADS = _declare(
     "`GRADIO_SERVER_NAME` local, no `OMP_NUM_THREADS`) on a CPU, all cores but one, which the visitor's browser "
     "gets (with the browser on the same cores, a team on all of them waits at every step of a pass whenever the "
     "browser takes a core, and the race then flatters MARS: BENCHMARKS.md, \"Browser race, session 19\"); "
-    "otherwise torch's own count", "app", shown="auto")
+    "otherwise torch's own count, or one on a GPU (its host only queues kernels)", "app", shown="auto")
 VIEW_EVERY = _declare(
     "MARS_DEMO_VIEW_EVERY", number(0, unit=" of seconds"), 0.25,
     "a race's view: once a side has decoded this many seconds since its last one (0: after every pass)", "app")

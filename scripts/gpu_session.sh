@@ -38,7 +38,7 @@ if [ "${QUICK:-0}" = 1 ]; then
     sim_size=(--requests 3 --max-new-tokens 8)
     device=(--device cpu)
 else
-    train_size=(--epochs "${EPOCHS:-3}" --batch-size 16 --lr "${LR:-6e-4}" --save-every 100 --val-every 400)
+    train_size=(--epochs "${EPOCHS:-3}" --batch-size "${BATCH:-16}" --lr "${LR:-6e-4}" --save-every 100 --val-every 400)
     bench_size=(--limit 4 --max-new-tokens 64 --batch-sizes 1,2,4,8)  # an eager pass takes ~20 ms on an H200
     sim_size=(--requests 60 --max-new-tokens 64)
     device=()
@@ -52,6 +52,9 @@ model=$runs/gpu
 step "serve-sim measured" 30 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
     --policies fixed:1.0,fixed:0.9,adaptive --arrivals poisson --mode mars --no-quality --clock measured \
     "${sim_size[@]}" --out "$OUT/small/serve-measured"
+step "serve-sim exact" 30 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
+    --policies fixed:1.0 --arrivals poisson --mode exact --no-quality --clock measured \
+    "${sim_size[@]}" --out "$OUT/small/serve-exact"
 # 3. single-sequence and batch speed
 step bench 50 $py -m mars_demo bench --model "$model" --prompts assets/data/heldout_varied32.json --taus 0.9 \
     --methods hf_generate,ar,mars,mars_exact,ar_batch_ours,mars_batch_token,exact_batch "${bench_size[@]}" \

@@ -86,3 +86,34 @@ def test_seeded_generator_is_made_once_where_first_asked():
     assert generator.on(torch.device("cpu")) is first
     assert torch.equal(torch.rand(3, generator=first), torch.rand(3, generator=torch.Generator().manual_seed(5)))
     assert SeededGenerator(None).on(torch.device("cpu")) is None
+
+
+@pytest.fixture
+def host_threads(monkeypatch):
+    """torch's thread count and the module's record of a user's choice, restored afterwards."""
+    from mars_demo.engine.backends import placement
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(placement, "_threads_chosen", False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    yield placement
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs a machine where torch runs several threads")
+def test_a_gpu_decoding_host_runs_one_thread_unless_chosen(host_threads, monkeypatch):
+    threads = torch.get_num_threads()
+    host_threads.settle_gpu_host(torch.device("cpu"))
+    assert torch.get_num_threads() == threads  # a CPU model keeps its team
+    host_threads.settle_gpu_host(torch.device("cuda"))
+    assert torch.get_num_threads() == 1
+
+    torch.set_num_threads(threads)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+    host_threads.settle_gpu_host(torch.device("cuda"))
+    assert torch.get_num_threads() == threads  # the platform's count stands
+
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    host_threads.choose_host_threads(2)
+    host_threads.settle_gpu_host(torch.device("cuda"))
+    assert torch.get_num_threads() == 2  # so does a user's

@@ -8,8 +8,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 from ..cli import (
     UserError,
     add_max_fed_argument,
@@ -20,6 +18,7 @@ from ..cli import (
     max_fed_text,
 )
 from ..engine.backends.hf import compile_passes
+from ..engine.backends.placement import choose_host_threads
 from ..engine.checkpoints.loading import default_precision, load_model
 from ..engine.decoding.config import DecodeConfig
 from ..engine.decoding.sampling import Sampling
@@ -172,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise UserError(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+        choose_host_threads(args.threads)
     lm = load_model(  # auto chooses the path for the smallest batch measured (batch 1: AR's one-token pass)
         args.model, block_size=args.block_size, device=args.device, precision=args.precision or default_precision(),
         rows=1 if sampled else min(config.batch_sizes),  # a sampled bench decodes one sequence at a time

@@ -60,8 +60,9 @@ def decoding_threads(
     (not ``settings.hosted``) on a CPU: every visitor's browser runs on the same cores, and a
     decoding team on all of them waits at its barriers whenever the browser takes one, a cost per
     pass that flatters the race's side with more tokens a pass; so one core is left to the browser
-    (docs/bench/history.md, "Browser race, session 19"). Hosted, on a GPU or with OMP_NUM_THREADS set,
-    torch's count (``threads``, default ``torch.get_num_threads()``) stands. ``env``: None, this process's.
+    (docs/bench/history.md, "Browser race, session 19"). Hosted or with OMP_NUM_THREADS set, torch's
+    count (``threads``, default ``torch.get_num_threads()``) stands; on a GPU the load keeps one
+    (``placement.settle_gpu_host``). ``env``: None, this process's.
     """
     chosen, note = settings.THREADS.read_or_default(env)
     if chosen is not None:

@@ -14,6 +14,28 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from ... import settings
+
+_threads_chosen = False  # a user set torch's intra-op threads (choose_host_threads): a GPU load keeps them
+
+
+def choose_host_threads(count: int) -> None:
+    """torch's intra-op threads, as a user chose them (``bench --threads``, MARS_DEMO_THREADS)."""
+    global _threads_chosen
+    torch.set_num_threads(count)
+    _threads_chosen = True
+
+
+def settle_gpu_host(device: torch.device) -> None:
+    """One intra-op thread for a process decoding on a GPU, unless a user chose (or OMP_NUM_THREADS set) a count.
+
+    The host only queues kernels and reads back a few numbers a pass; torch's team of a thread per
+    core wakes for each of its small host operations, and a launch-bound pass waits for it
+    (BENCHMARKS.md, "GPU").
+    """
+    if device.type == "cuda" and not _threads_chosen and settings.OMP_NUM_THREADS.read() is None:
+        torch.set_num_threads(1)
+
 
 def _execution_device(module: torch.nn.Module) -> torch.device | None:
     """The execution device of accelerate's hook on ``module`` (one hook, or the first of a SequentialHook)."""

@@ -47,6 +47,7 @@ from ... import settings
 from .. import progress
 from ..backends.cpu.greedy import greedy_kernel
 from ..backends.cpu.paths import check_precision, prebuild, select
+from ..backends.placement import settle_gpu_host
 from ..decoding.exact import decode_rate
 from ..machine import ASSETS, cache_dir
 from ..model import LoadedModel, MarsMeta
@@ -364,6 +365,8 @@ def load_model(
         precision = check_precision(precision)
     dev, dtype = pick_device(device, precision)
     on_path = precision is not None and dev.type == "cpu"
+    if precision is not None:  # decoding
+        settle_gpu_host(dev)
     if on_path:
         prebuild()  # the compiler runs while the weights load and convert
     base, adapter_dir, ours = _source(spec, dtype)
