@@ -13,12 +13,13 @@ import torch
 from mars_demo.engine.backends import CpuBackend
 from mars_demo.engine.backends.cpu.cache import CpuCache, moves_in_place
 from mars_demo.engine.backends.cpu.paths import convert, token_ids
-from mars_demo.engine.decoding.batch import collect_batch, stream_batch
+from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_batch
 from mars_demo.engine.decoding.batch.rows import PaddedCache, fill_from_end
 from mars_demo.engine.decoding.batch.token import slide
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import LiveTau, collect, decode_passes, eos_ids, stream
+from mars_demo.engine.decoding.width import WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import parse_policy
 
@@ -33,6 +34,10 @@ def on_path(request):
     convert(lm.model, request.param, smoothing=token_ids(lm.tokenizer, PROMPTS))
     assert isinstance(lm.backend, CpuBackend) and lm.backend.padding_costs
     return lm
+
+
+def lm_native(lm) -> bool:
+    return isinstance(lm.backend, CpuBackend) and lm.backend.native
 
 
 def _ids(lm) -> list[list[int]]:
@@ -175,3 +180,67 @@ def test_requests_joining_and_leaving_a_running_batch_decode_as_alone(on_path, m
                                DecodeConfig(mode=mode, max_new_tokens=16, max_fed=None), window=4,
                                mask_id=lm.meta.mask_token_id, tau=LiveTau(1.0), stop_ids=stop)
         assert served.token_ids == [t for p in passes for t in p.tokens]
+
+
+class Cycle(WidthController):
+    """Widths 4, 2, 1, 3, pass after pass: rows that accepted unevenly, or have little room left, get holes."""
+
+    def __init__(self):
+        super().__init__(None, 4)
+        self.calls = 0
+
+    def choose(self, rows, caps, tau, fed=None):
+        self.calls += 1
+        return (4, 2, 1, 3)[(self.calls - 1) % 4]
+
+
+@pytest.mark.parametrize("mode", ["mars", "hybrid"])
+def test_rows_fed_different_widths_in_one_pass_each_equal_decoding_alone(on_path, mode):
+    """The native layers leave a pass's holes out of its work (int8dyn); every row still decodes as alone."""
+    lm, ids = on_path, _ids(on_path)
+    config = DecodeConfig(mode=mode, max_new_tokens=9, tau=0.3, max_fed="auto")
+
+    def decode(prompts):
+        return collect_batch(decode_batch(
+            lm.backend, prompts, config, scheme="token", block_size=4, mask_id=lm.meta.mask_token_id,
+            pad_id=lm.tokenizer.pad_token_id, tau=LiveTau(config.tau), stop_ids=eos_ids(lm.backend, lm.tokenizer),
+            controller=Cycle(),
+        ))
+
+    together = decode(ids)
+    widths = [{s.width for s in e.rows if s.width} for e in together.events[1:]]
+    assert any(len(w) > 1 for w in widths), "rows should take different widths in some pass"
+    for row, prompt in zip(together.token_ids, ids):
+        assert row == decode([prompt]).token_ids[0]
+
+
+def test_a_pass_with_holes_computes_its_fed_rows_as_the_pass_without_them(on_path, monkeypatch):
+    """Bit for bit: the fed rows of a pass whose narrower rows' holes are left out (Visible.live) against the same
+    pass with every column computed."""
+    if not lm_native(on_path):
+        pytest.skip("holes are left out by the native layers only (int8dyn)")
+    from mars_demo.engine.backends.cpu import native_layers
+
+    ids, run = _ids(on_path), native_layers.NativeLayers.run
+    seen = []
+
+    def passes(packed: bool):
+        def run_with(self, x, cos, sin, start, buffers, visible, memo=None):
+            if visible is not None and start:  # a decoding pass (the prefill is fed apart)
+                seen.append(visible.live)
+                if not packed:
+                    visible.live = None
+            return run(self, x, cos, sin, start, buffers, visible, memo)
+
+        monkeypatch.setattr(native_layers.NativeLayers, "run", run_with)
+        kv = PaddedCache(on_path.backend, len(ids))
+        mask_id = on_path.meta.mask_token_id
+        with torch.inference_mode():
+            kv.forward(slide(ids, [0] * len(ids), [8] * len(ids), [1] * len(ids), mask_id, 0))
+            window = slide([[5], [6, 7], [8], [9]], [len(p) for p in ids], [8] * 4, [4, 1, 2, 3], mask_id, 0)
+            return kv.forward(window), window
+
+    (packed, window), (full, _) = passes(True), passes(False)
+    assert seen[0] is not None and seen[0].numel() == sum(map(sum, window.attn))  # holes were left out
+    fed = torch.tensor(window.attn, dtype=torch.bool)[:, -window.keep:]
+    assert torch.equal(packed[fed], full[fed])

@@ -160,6 +160,7 @@ class LeanForward:
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.rope_table = None  # (cos, sin with its first half negated) by position
         self.head = _gemm(model.lm_head)
+        self.vocab = getattr(model.lm_head, "out_features", None) or model.config.vocab_size
 
     def __call__(self, ids: torch.Tensor, cache: CpuCache | None, positions=None, mask=None, keep: int = 1):
         """Logits (rows, keep, vocab) of one pass (base.Backend.forward); its keys and values go into ``cache``."""
@@ -186,10 +187,23 @@ class LeanForward:
         if clock is not None:
             clock("forward_body", False)
             clock("lm_head", True)
-        logits = self.head(x[:, -keep:, :] if keep else x)
+        live = mask.live if native and isinstance(mask, rowattn.Visible) else None
+        logits = self.head(x[:, -keep:, :] if keep else x) if live is None else self._fed_head(x, live, keep)
         if clock is not None:
             clock("lm_head", False)
         return logits
+
+    def _fed_head(self, x: torch.Tensor, live: torch.Tensor, keep: int) -> torch.Tensor:
+        """Logits (batch, keep, vocab) of the last ``keep`` columns, computed for the fed rows (``live``) only:
+        a hole's logits are left as they come (nothing reads them), as the native layers left its state."""
+        batch, n, hidden = x.shape
+        keep = keep or n
+        row, column = live // n, live % n - (n - keep)
+        index = row[column >= 0] * keep + column[column >= 0]
+        tail = x[:, n - keep :, :].reshape(batch * keep, hidden)
+        logits = tail.new_empty(batch * keep, self.vocab)
+        logits[index] = self.head(tail[index])
+        return logits.view(batch, keep, -1)
 
     def _mask(self, x: torch.Tensor, padding: torch.Tensor | None, past: int):
         """transformers' mask for a pass of x's rows after ``past`` cached columns; ``padding`` (rows, past + n)."""

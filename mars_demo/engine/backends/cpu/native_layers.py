@@ -52,7 +52,7 @@ class _Pass(ctypes.Structure):
         ("cos", _P), ("sin", _P), ("rope_batch_stride", _I),
         ("keys", ctypes.POINTER(_P)), ("values", ctypes.POINTER(_P)), ("half_cache", _I),
         ("cache_batch_stride", _I), ("cache_head_stride", _I), ("start", _I), ("ranges", _P), ("offsets", _P),
-        ("scale", _F), ("inverse", _F), ("threads", _I), ("attention_threads", _I),
+        ("scale", _F), ("inverse", _F), ("threads", _I), ("attention_threads", _I), ("live", _P), ("n_live", _I),
     ]
 
 
@@ -172,7 +172,8 @@ class NativeLayers:
         buffers: per layer (keys, values), (batch, kv heads, room, head dim) with the head dim contiguous, fp32 or
         fp16 (``half_cache``), holding ``start`` cached columns: the pass's keys and values are written at
         start .. start + rows.
-        visible: rowattn.Visible for a masked pass, None for a causal one over the cache.
+        visible: rowattn.Visible for a masked pass, None for a causal one over the cache. The rows it finds fed
+        no token (``Visible.live``) are left out of all but the attention: their outputs are not to be read.
         memo: see ``pointers``.
         """
         batch, rows, _ = x.shape
@@ -180,6 +181,7 @@ class NativeLayers:
         keys, values = self.pointers(buffers, memo)
         cos, sin = cos.contiguous(), sin.contiguous()
         ranges, offsets = (None, None) if visible is None else (visible.ranges.data_ptr(), visible.offsets.data_ptr())
+        live = visible.live if visible is not None else None  # the rows fed a token: holes are left out
         stride = buffers[0][0].stride()
         run = _Pass(
             x.data_ptr(), batch, rows, self.hidden, self.heads, self.kv_heads, self.dim,
@@ -187,6 +189,7 @@ class NativeLayers:
             buffers[0][0].dtype == torch.float16,
             stride[0], stride[1], start, ranges, offsets, self.scale, int8gemm.INVERSE_STEP,
             torch.get_num_threads(), rowattn.threads(visible, batch, rows, start + rows, self.heads),
+            None if live is None else live.data_ptr(), 0 if live is None else live.numel(),
         )
         failed = self.function(ctypes.byref(run), self.layers, len(self.layers))
         if failed == 1:

@@ -57,6 +57,8 @@ class Visible:
     """The keys each row of a masked pass may see, as [start, end) ranges (batch padding, exact mode's groups).
 
     ranges: (N, 2) int64; offsets: (batch * rows + 1,) int64, row r owning ranges[offsets[r]:offsets[r + 1]].
+    live: the rows (b * rows + i, ascending) that may see their own column, i.e. are fed a token, as int64;
+    None when every row is. The others are holes: no row sees them, and what they compute is not read.
     """
 
     def __init__(
@@ -78,6 +80,8 @@ class Visible:
         np.cumsum(np.bincount(row, minlength=batch * q_len), out=offsets[1:])
         self.offsets = torch.from_numpy(offsets)
         self.work = int((end - start).sum())  # visible (row, key) pairs
+        own = flat[:, 1:-1].reshape(batch, q_len, keys)[:, np.arange(q_len), np.arange(keys - q_len, keys)]
+        self.live = None if own.all() else torch.from_numpy(np.flatnonzero(own).astype(np.int64))
 
     @classmethod
     def padded(cls, padding: torch.Tensor, q_len: int) -> Visible:

@@ -58,7 +58,8 @@ def verify_block(
     Returns ids and position ids (rows, width), the attention among the fed columns
     (rows, width, width), and n, the width of the real part. A row's fallback masks
     sit right after its newest pending token and do not see its drafts or main masks;
-    none are fed when no row has drafts.
+    none are fed when no row has drafts, and a row without drafts gets holes there (it
+    reads no fallback: a backend that skips holes does no work for them).
     """
     real, real_attn = left_pad([p + d for p, d in zip(pending, drafts)], pad_id)  # (A, n), holes on the left
     g = L if any(drafts) else 0  # no row has drafts: no fallback group
@@ -69,9 +70,11 @@ def verify_block(
     positions = first[:, None] + columns  # (A, width): real part and main masks continue the row
     after_pending = torch.tensor([pos + len(p) for pos, p in zip(next_pos, pending)], device=device)
     positions[:, n + L :] = after_pending[:, None] + torch.arange(g, device=device)
-    present = torch.cat(
-        [torch.tensor(real_attn, device=device), torch.ones(len(real), L + g, dtype=torch.long, device=device)], 1
-    )
+    fallback = [[1 if d else 0] * g for d in drafts]
+    present = torch.cat([
+        torch.tensor(real_attn, device=device), torch.ones(len(real), L, dtype=torch.long, device=device),
+        torch.tensor(fallback, dtype=torch.long, device=device).reshape(len(real), g),
+    ], 1)
     block = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & present.bool()[:, None, :]
     for r, d in enumerate(drafts):
         block[r, n + L :, n - len(d) : n + L] = False  # fallback masks: not the drafts, not the main masks

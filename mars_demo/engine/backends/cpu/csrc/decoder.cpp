@@ -60,6 +60,8 @@ struct Pass {
   const int64_t* offsets;
   float scale, inverse;
   int64_t threads, attention_threads;
+  const int64_t* live;  // the rows (b * rows + i) that are fed a token, ascending, or null: every row
+  int64_t n_live;  // their count
 };
 
 // transformers' RMSNorm of row x (n floats): weight * (x * 1 / sqrt(mean(x^2) + eps)).
@@ -162,70 +164,82 @@ inline void barrier() {
 // the same rows). A row's norm, coding, RoPE and residuals, a column's sums and a
 // (row, head)'s attention are each computed whole by one thread, so how the work is split changes
 // no bits.
+//
+// Holes (rows fed no token: a batch's padding, a narrower row's columns in a wide pass) are left out
+// of everything but the attention when p.live lists the fed rows: the norms, linears and residuals
+// run over the fed rows packed together (h, y, codes, the linears' outputs: row i is fed row
+// live[i]), and the q/k/v rows are spread back to their places in `rect` (holes zero) for the
+// attention, which reads them there. A hole's keys and values are not written (no row sees a hole),
+// and its output is not read. A fed row is computed as in a pass without holes, bit for bit.
 int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& me, float* h, float* wide,
-             float* act, float* y, uint8_t* codes, float* row_max) {
-  const int64_t rows = p.batch * p.rows, H = p.hidden;
+             float* rect, float* act, float* y, uint8_t* codes, float* row_max) {
+  const int64_t fed = p.live ? p.n_live : p.batch * p.rows, H = p.hidden;
+  auto at = [&](int64_t i) { return p.live ? p.live[i] : i; };  // a packed row's place in the pass
   int failed = 0;
   int64_t r0, r1;
-  me.of(rows, &r0, &r1);
+  me.of(fed, &r0, &r1);
   // a linear's sums over this thread's tiles, its inputs coded beforehand
   auto tiles_of = [&](const Int8Weights& w, float* out) {
-    const Linear L{codes, row_max, rows, w.in, w.out, w.weight, w.sums, w.scale, w.bias, out};
+    const Linear L{codes, row_max, fed, w.in, w.out, w.weight, w.sums, w.scale, w.bias, out};
     int64_t from, to;
     me.of(padded(w.out, TILE) / TILE, &from, &to);
     tiles(L, from, to);
   };
-  auto code = [&](const float* x, int64_t in) {
+  auto code = [&](const float* x, int64_t in, bool placed) {  // placed: x's rows are the pass's, not packed
     for (int64_t r = r0; r < r1; r++)
-      code_rows(x + r * in, 1, in, in, p.inverse, codes + r * padded(in, DEPTH), row_max + r);
+      code_rows(x + (placed ? at(r) : r) * in, 1, in, in, p.inverse, codes + r * padded(in, DEPTH), row_max + r);
   };
-  auto add_residual = [&](int64_t r) {  // x += y on row r: one rounding, as torch's add
-    float* x = p.x + r * H;
+  auto add_residual = [&](int64_t r) {  // x += y on packed row r: one rounding, as torch's add
+    float* x = p.x + at(r) * H;
     for (int64_t k = 0; k < H; k++) x[k] = x[k] + y[r * H + k];
   };
   for (int64_t l = 0; l < n_layers; l++) {
     const Layer& L = layers[l];
-    for (int64_t r = r0; r < r1; r++) rms_norm_row(p.x + r * H, H, L.norm1, L.eps1, h + r * H);
-    code(h, L.qkv.in);
+    for (int64_t r = r0; r < r1; r++) rms_norm_row(p.x + at(r) * H, H, L.norm1, L.eps1, h + r * H);
+    code(h, L.qkv.in, false);
     barrier();
     tiles_of(L.qkv, wide);
     barrier();
-    for (int64_t r = r0; r < r1; r++) rope_and_store_row(p, r, wide, L.qkv.out, p.keys[l], p.values[l]);
+    const int64_t width = L.qkv.out;
+    for (int64_t r = r0; r < r1; r++) {
+      if (rect != wide) memcpy(rect + at(r) * width, wide + r * width, width * sizeof(float));
+      rope_and_store_row(p, at(r), rect, width, p.keys[l], p.values[l]);
+    }
     barrier();
     const Share attending{me.t, p.attention_threads < me.team ? p.attention_threads : me.team};
     if (me.t < attending.team) {
       int64_t from, to;
-      attending.of(rows * p.heads, &from, &to);
+      attending.of(p.batch * p.rows * p.heads, &from, &to);
 #if HALF_CACHE
       if (p.half_cache) {
-        const CallOf<Half> c = attention_call<Half>(p, l, wide, L.qkv.out, act);
+        const CallOf<Half> c = attention_call<Half>(p, l, rect, L.qkv.out, act);
         failed |= run_units(&c, from, to);
       } else
 #endif
       {
-        const CallOf<float> c = attention_call<float>(p, l, wide, L.qkv.out, act);
+        const CallOf<float> c = attention_call<float>(p, l, rect, L.qkv.out, act);
         failed |= run_units(&c, from, to);
       }
     }
     barrier();
-    code(act, L.o.in);
+    code(act, L.o.in, true);
     barrier();
     tiles_of(L.o, y);
     barrier();
     for (int64_t r = r0; r < r1; r++) {
       add_residual(r);
-      rms_norm_row(p.x + r * H, H, L.norm2, L.eps2, h + r * H);
+      rms_norm_row(p.x + at(r) * H, H, L.norm2, L.eps2, h + r * H);
     }
-    code(h, L.gate_up.in);
+    code(h, L.gate_up.in, false);
     barrier();
     tiles_of(L.gate_up, wide);
     barrier();
     const int64_t n = L.gate_up.out / 2;
     int64_t c0, c1;
-    me.of(rows * chunks(n), &c0, &c1);
+    me.of(fed * chunks(n), &c0, &c1);
     silu_times_up(wide, n, act, c0, c1);
     barrier();
-    code(act, L.down.in);
+    code(act, L.down.in, false);
     barrier();
     tiles_of(L.down, y);
     barrier();
@@ -248,24 +262,27 @@ int run(const Pass& p, const Layer* layers, int64_t n_layers) {
     }
   }
   float* h = (float*)malloc(sizeof(float) * rows * H);  // a norm's output
-  float* wide = (float*)malloc(sizeof(float) * rows * widest);  // q/k/v or gate/up rows
+  float* wide = (float*)malloc(sizeof(float) * rows * widest);  // q/k/v or gate/up rows (packed)
+  // q/k/v rows in their places for the attention: with holes left out, its own, holes' rows zero
+  float* rect = p.live ? (float*)calloc(rows * widest, sizeof(float)) : wide;
   float* act = (float*)malloc(sizeof(float) * rows * widest_in);  // the attention's output or SiLU * up
   float* y = (float*)malloc(sizeof(float) * rows * H);
   uint8_t* codes = (uint8_t*)malloc(rows * padded(widest_in, DEPTH) + 1);
   float* row_max = (float*)malloc(sizeof(float) * (rows + 1));
-  int failed = !h || !wide || !act || !y || !codes || !row_max;
+  int failed = !h || !wide || !rect || !act || !y || !codes || !row_max;
   if (!failed) {
 #if defined(_OPENMP)
     // one team for the whole pass (torch's own OpenMP threads): a barrier between steps instead of
     // a parallel region each, and the row-wise steps split too
 #pragma omp parallel num_threads(p.threads) reduction(| : failed)
-    failed |= run_part(p, layers, n_layers, Share{omp_get_thread_num(), omp_get_num_threads()}, h, wide, act, y,
-                       codes, row_max);
+    failed |= run_part(p, layers, n_layers, Share{omp_get_thread_num(), omp_get_num_threads()}, h, wide, rect, act,
+                       y, codes, row_max);
 #else
-    failed = run_part(p, layers, n_layers, Share{0, 1}, h, wide, act, y, codes, row_max);
+    failed = run_part(p, layers, n_layers, Share{0, 1}, h, wide, rect, act, y, codes, row_max);
 #endif
   }
   free(h);
+  if (rect != wide) free(rect);
   free(wide);
   free(act);
   free(y);
@@ -319,7 +336,8 @@ int64_t layout_Pass(int64_t* out, int64_t room) {
       FIELD(S, x), FIELD(S, batch), FIELD(S, rows), FIELD(S, hidden), FIELD(S, heads), FIELD(S, kv_heads),
       FIELD(S, dim), FIELD(S, cos), FIELD(S, sin), FIELD(S, rope_batch_stride), FIELD(S, keys), FIELD(S, values),
       FIELD(S, half_cache), FIELD(S, cache_batch_stride), FIELD(S, cache_head_stride), FIELD(S, start), FIELD(S, ranges),
-      FIELD(S, offsets), FIELD(S, scale), FIELD(S, inverse), FIELD(S, threads), FIELD(S, attention_threads)};
+      FIELD(S, offsets), FIELD(S, scale), FIELD(S, inverse), FIELD(S, threads), FIELD(S, attention_threads),
+      FIELD(S, live), FIELD(S, n_live)};
   return write_layout(sizeof(S), fields, out, room);
 }
 }
