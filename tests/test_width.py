@@ -12,8 +12,11 @@ What must hold:
 from __future__ import annotations
 
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_batch
 from mars_demo.engine.decoding.chat import prompt_ids
@@ -81,6 +84,31 @@ def test_measured_surface_is_cached_by_key(tiny_llama, tmp_path):
     first = cached_surface(tiny_llama.backend, "k", tmp_path)
     again = cached_surface(tiny_llama.backend, "k", tmp_path)  # read back, not measured again
     assert again.record() == first.record()
+
+
+class AfterWide:
+    """A backend on a fake clock whose pass costs 1 + w/10 ms, half as much again right after a pass of 16+."""
+
+    def __init__(self):
+        self.now, self.last, self.device = 0.0, 1, torch.device("cpu")
+        self.config = SimpleNamespace(vocab_size=64)
+
+    def new_cache(self):
+        return SimpleNamespace(crop=lambda columns: None)
+
+    def forward(self, ids, cache, *, positions=None, mask=None, keep=1):
+        width = ids.shape[1]
+        self.now += (1.0 + width / 10) * (1.5 if self.last >= 16 else 1.0) / 1000
+        self.last = width
+        return torch.zeros(ids.shape[0], keep, 8)
+
+
+def test_the_passes_after_the_widest_do_not_set_the_narrow_widths_price(monkeypatch):
+    backend = AfterWide()
+    monkeypatch.setattr(time, "perf_counter", lambda: backend.now)
+    surface = measure(backend, rows=(1, 4), widths=(1, 2, 4, 32), context=8, rounds=5)
+    for rows in (1, 4):
+        assert [surface.ms(rows, w) for w in (1, 2, 4, 32)] == pytest.approx([1.1, 1.2, 1.4, 4.2])
 
 
 # -- the controller ----------------------------------------------------------------------------------
@@ -289,3 +317,17 @@ def test_a_row_narrowed_to_ar_passes_is_offered_a_mask_again_later():
     for _ in range(100):  # width-1 passes show nothing: the estimate relaxes toward the prior
         controller.observe(row, 0.9, 0, 0)
     assert controller.choose([row], [99], 0.9) > 1
+
+
+def test_idle_passes_pull_a_row_toward_the_prior_as_one_at_a_time_would():
+    row, held, tried = Hits(3, 0.9), 1.0, 2.0  # the prior's pseudo-counts
+    for _ in range(20):
+        row.observe(3, 0)  # masks that never hold
+    h, t = row.held[0], row.tried[0]
+    for _ in range(15):  # width-1 passes: each pulls a tenth of the way back to the prior
+        row.observe(0, 0)
+        h, t = 0.9 * h + 0.1 * held, 0.9 * t + 0.1 * tried
+    assert row.share(0) == pytest.approx(h / t, rel=1e-12)
+    row.observe(1, 1)  # the next real pass counts after the pull
+    assert row.tried[0] == pytest.approx(0.9 * t + 1, rel=1e-12)
+    assert row.held[0] == pytest.approx(0.9 * h + 1, rel=1e-12)

@@ -22,9 +22,11 @@ The width changes how many candidates a pass can accept, never which token a can
 so exact mode stays greedy AR's text at any width.
 
 A pass is a rectangle: every row is fed W columns, a row fed fewer gets holes (columns no one
-attends to), which cost as much as masks. A row's own width is therefore W, or less where its
-token limit leaves less room (batch/token.py); a backend that packs rows without holes
-would let each row take its own width, and the surface would then be priced per token.
+attends to). A row's own width is therefore W, or less where its token limit leaves less room
+(batch/token.py). The pass is priced by its rectangle, n_w - 1 + W columns a row, though the CPU
+engine's native layers leave holes out of all but the attention (native_layers.py): pricing a pass
+by the tokens its rows feed, with each row its own width, measured slower than the rectangle's
+price on this project's CPUs (docs/bench/history.md, "Packed passes").
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 GRID_ROWS = (1, 2, 4, 8)
 GRID_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 16, 32)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
 SURFACE_FILE = "cost-surfaces.json"
-SURFACE_VERSION = 4  # 2: the acceptance's cost included; 3: made monotone; 4: rows with holes
+SURFACE_VERSION = 5  # 2: the acceptance's cost included; 3: made monotone; 4: rows with holes; 5: a pass before each
 HOLES = 8  # left holes per row step when measuring (rows 0, 8, 16, 24 holes, repeating)
 GAIN = 1.05  # a wider pass is taken only where it promises this much over one-token passes: the
 # surface is a model of what a pass costs, and a pass it prices within a few percent may not pay
@@ -150,7 +152,10 @@ def measure(backend: Backend, *, rows: Sequence[int] = GRID_ROWS, widths: Sequen
     in a real pass, and every pass's logits go through the greedy choice and
     its host sync as the decoders' do (a wider pass also costs its candidates' acceptance). The widths
     of one row count take turns, one pass each per round, and the fastest round of each is kept:
-    other load only ever adds time.
+    other load only ever adds time. Each timed pass follows an untimed one-token pass, as a decoding
+    pass follows another: right after a wide pass (a 32-token one at 8 rows on a CPU) the next pass runs
+    slower, which in a fixed order priced the narrow passes that came next as dear as wider ones
+    (BENCHMARKS.md, "Many requests at once").
     """
     gen = torch.Generator().manual_seed(0)
     vocab, device = backend.config.vocab_size, backend.device
@@ -165,16 +170,24 @@ def measure(backend: Backend, *, rows: Sequence[int] = GRID_ROWS, widths: Sequen
         seen: dict[int, list[float]] = {w: [] for w in widths}
         for _ in range(rounds + 2):  # two warm-up rounds
             for w in widths:
-                mask = torch.cat([held, torch.ones(r, w, dtype=torch.long, device=device)], dim=1)
-                positions = torch.arange(context, context + w, device=device)[None].expand(r, -1)
-                started = time.perf_counter()
-                logits = backend.forward(ids[:, context : context + w], cache, positions=positions, mask=mask, keep=w)
-                tokens, conf = greedy_confidence(logits, "probability")
-                torch.stack([tokens.double(), conf.double()]).tolist()  # the host sync, as accept_rows has it
-                seen[w].append(time.perf_counter() - started)
-                cache.crop(w)
+                _timed_pass(backend, ids, cache, held, 1)  # the pass before: a decoding pass's
+                seen[w].append(_timed_pass(backend, ids, cache, held, w))
         grid.append([min(seen[w][2:]) * 1000 for w in widths])
     return Surface(rows, widths, monotone(grid))
+
+
+def _timed_pass(backend: Backend, ids: torch.Tensor, cache, held: torch.Tensor, width: int) -> float:
+    """Seconds of one pass feeding ``width`` of ``ids``'s columns after the ``held`` ones (measure), then cropped."""
+    rows, context = held.shape
+    mask = torch.cat([held, held.new_ones(rows, width)], dim=1)
+    positions = torch.arange(context, context + width, device=held.device)[None].expand(rows, -1)
+    started = time.perf_counter()
+    logits = backend.forward(ids[:, context : context + width], cache, positions=positions, mask=mask, keep=width)
+    tokens, conf = greedy_confidence(logits, "probability")
+    torch.stack([tokens.double(), conf.double()]).tolist()  # the host sync, as accept_rows has it
+    seconds = time.perf_counter() - started
+    cache.crop(width)
+    return seconds
 
 
 def monotone(grid: list[list[float]]) -> list[list[float]]:
@@ -229,14 +242,14 @@ class Hits:
         self.decay = decay
         self.held = [self.PRIOR[0]] * depth
         self.tried = [self.PRIOR[1]] * depth
+        self.idle = 0  # passes that offered nothing, not yet applied (a pass of plain AR costs no host work here)
 
     def observe(self, offered: int, extra: int) -> None:
         """A pass offered ``offered`` candidates past the AR token and the first ``extra`` of them held."""
         if offered < 1:
-            d = self.decay
-            self.held = [d * h + (1 - d) * self.PRIOR[0] for h in self.held]
-            self.tried = [d * t + (1 - d) * self.PRIOR[1] for t in self.tried]
+            self.idle += 1
             return
+        self._relax()
         if self.decay < 1:
             self.held = [h * self.decay for h in self.held]
             self.tried = [t * self.decay for t in self.tried]
@@ -244,7 +257,17 @@ class Hits:
             self.tried[j] += 1
             self.held[j] += j < extra
 
+    def _relax(self) -> None:
+        """The idle passes' pull toward the prior, all at once: d^k of the way left after k of them."""
+        if self.idle:
+            left, (held, tried) = self.decay**self.idle, self.PRIOR
+            self.held = [held + left * (h - held) for h in self.held]
+            self.tried = [tried + left * (t - tried) for t in self.tried]
+            self.idle = 0
+
     def share(self, j: int) -> float:
+        if self.idle:
+            self._relax()
         return self.held[j] / self.tried[j]
 
     def expected(self, width: int) -> float:
