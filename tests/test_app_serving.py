@@ -8,7 +8,7 @@ import gradio as gr
 import pytest
 
 from mars_demo.engine.checkpoints.loading import BUNDLED
-from mars_demo.engine.decoding.width import Surface
+from mars_demo.engine.decoding.surface import Surface
 from mars_demo.ui.handlers import DemoHandlers
 from mars_demo.ui.models import ModelPolicy, model_choices
 from mars_demo.ui.serving_tab import BOUNDS, ServingHandlers, ServingState, parse_settings
@@ -47,7 +47,8 @@ def test_run_draws_live_charts_and_ends_with_totals(serving):
     assert all(w == 1 for w in width.data[0].y if w)  # fixed:1.0 feeds one token a row: batched AR
     assert surface is gr.skip() or surface == gr.skip()  # a model without a measured path has no surface to show
     live = [o for o in outputs[1:-1] if o[-1]]
-    assert live and len(live[0][-1]) == 1  # the first policy's partial totals, while it runs
+    assert live and len(live[0][-1]) == 3  # every policy's partial totals: they take turns pass by pass
+    assert "taking turns" in live[0][0] and all(name in live[0][0] for name in ("fixed:1", "fixed:0.9", "adaptive"))
 
 
 def test_rate_from_the_machine_loads_it_past_batched_ar_and_shows_the_surface(serving, monkeypatch):
@@ -73,7 +74,8 @@ def test_stop_ends_the_run_between_passes_and_keeps_the_totals(serving):
     serving.stop(state)
     outputs = list(run)
     status, *_, totals = outputs[-1]
-    assert "Stopped" in status and len(totals) == 1 and not state.running
+    assert "Stopped" in status and "so far" in status and not state.running
+    assert [row[0] for row in totals] == ["fixed:1", "fixed:0.9", "adaptive"]  # they took turns: each one's totals
 
 
 def test_the_time_limit_bounds_the_run(serving, monkeypatch):

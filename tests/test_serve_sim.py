@@ -9,7 +9,7 @@ import pytest
 from mars_demo.cli import main
 from mars_demo.engine.backends.cpu import paths
 from mars_demo.engine.decoding.chat import prompt_ids
-from mars_demo.engine.decoding.width import Surface
+from mars_demo.engine.decoding.surface import Surface
 from mars_demo.engine.serving.replay import (
     BURST,
     SimConfig,

@@ -22,7 +22,8 @@ from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import LiveTau, eos_ids
-from mars_demo.engine.decoding.width import Hits, Surface, WidthController, affordable_rate, cached_surface, measure
+from mars_demo.engine.decoding.surface import Surface, affordable_rate, cached_surface, measure
+from mars_demo.engine.decoding.width import Hits, WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import Load, parse_policy
 
@@ -287,7 +288,7 @@ def test_single_sequence_mars_prices_its_width_on_the_measured_curve(tiny_llama,
 
 
 def test_a_measured_point_above_a_larger_pass_is_bounded_by_it():
-    from mars_demo.engine.decoding.width import monotone
+    from mars_demo.engine.decoding.surface import monotone
 
     noisy = [[3.9, 3.9, 4.1], [10.0, 7.5, 9.3]]  # 2 rows x 1 token measured during a burst of other load
     assert monotone(noisy) == [[3.9, 3.9, 4.1], [7.5, 7.5, 9.3]]

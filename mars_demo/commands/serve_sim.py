@@ -19,7 +19,7 @@ from ..cli import UserError, add_model_argument, add_precision_argument
 from ..engine.checkpoints.loading import BUNDLED_BASE, default_precision, load_model
 from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.config import VERIFYING_MODES
-from ..engine.decoding.width import read_surface, surface_for
+from ..engine.decoding.surface import read_surface, surface_for
 from ..engine.serving.policies import DEFAULT_LADDER, POLICY_HELP, split_policies
 from ..engine.serving.replay import ARRIVALS, LIMITS, SimConfig
 from ..research.distillation import read_prompts

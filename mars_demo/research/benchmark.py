@@ -49,7 +49,7 @@ from ..engine.decoding.commit import commit_tokens
 from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
 from ..engine.decoding.loop import collect, eos_ids, stream_ids
 from ..engine.decoding.metrics import agreement, exact_match, per_forward, per_second, speedup
-from ..engine.decoding.width import known_surface, surface_for
+from ..engine.decoding.surface import known_surface, surface_for
 from ..engine.model import LoadedModel
 from . import llama_cpp
 from .evaluation import Scorer, pooled_nll

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from ..engine.backends.base import Backend
 from ..engine.decoding.metrics import delta_nll_key
-from ..engine.decoding.width import Surface
+from ..engine.decoding.surface import Surface
 from ..engine.model import LoadedModel
 from ..engine.serving.loop import LoopEvent, PassCost
 from ..engine.serving.policies import parse_policy

@@ -22,7 +22,7 @@ from ..engine.decoding.metrics import Rates, common_prefix, speedup
 from ..engine.decoding.tree_shape import nodes
 
 if TYPE_CHECKING:
-    from ..engine.decoding.width import Surface
+    from ..engine.decoding.surface import Surface
     from .sweep import FrontierPoint
 
 MARS_COLOR = "#4f46e5"

@@ -27,7 +27,7 @@ import gradio as gr
 
 from ..engine.checkpoints.memory import trim_heap
 from ..engine.decoding.chat import prompt_ids
-from ..engine.decoding.width import affordable_rate, surface_for
+from ..engine.decoding.surface import affordable_rate, surface_for
 from ..engine.serving.policies import parse_policy, split_policies
 from ..engine.serving.replay import (
     ARRIVALS,
@@ -65,16 +65,16 @@ TOTALS = (  # (key, header, digits): the tab's totals table
 )
 TOTAL_HEADERS = [header for _, header, _ in TOTALS]
 
-SERVING_INTRO = """Requests arrive at the chosen **rate** (Poisson, or bursts of 8) and share one batch: a new request
-is prefilled and joins the running batch between two passes, a finished one leaves at once. Each **policy**
-sets tau before every pass from the load; **adaptive** lowers tau as requests wait (1.0 while nobody waits,
-0.95 from 1 waiting, 0.9 from 4, 0.8 from 8, 0.7 from 16). Every policy serves the same seeded requests
-on a clock driven by the measured pass times. Each pass's **width** (tokens fed per row) is chosen from this
-machine's measured **cost surface** and the rows' acceptance: plain AR passes where no mask pays, so adaptive
-lowers tau only where wider passes pay. With **rate from this machine** on, the rate is set to 1.5x what batched
-AR sustains here (read off the surface), so a queue builds and the policies part ways. Agreement compares
-each output with fixed:1.0's (tau 1.0 is the AR output). The run holds the decoding slot, so races wait,
-for at most its time limit."""
+SERVING_INTRO = """Requests arrive at the chosen **rate** (Poisson, or bursts of 8) and share one batch: a new
+request is prefilled and joins the running batch between two passes, a finished one leaves at once. Each
+**policy** sets tau before every pass from the load; **adaptive** lowers tau as requests wait (1.0 while
+nobody waits, 0.95 from 1 waiting, 0.9 from 4, 0.8 from 8, 0.7 from 16). Every policy serves the same seeded
+requests on a clock driven by the measured pass times, the policies taking turns pass by pass. Each pass's
+**width** (tokens fed per row) is chosen from this machine's measured **cost surface** and the rows'
+acceptance: plain AR passes where no mask pays, so adaptive lowers tau only where wider passes pay. With
+**rate from this machine** on, the rate is set to 1.5x what batched AR sustains here (read off the surface),
+so a queue builds and the policies part ways. Agreement compares each output with fixed:1.0's (tau 1.0 is the
+AR output). The run holds the decoding slot, so races wait, for at most its time limit."""
 OVERLOAD = 1.5  # "rate from this machine": arrivals at this multiple of what batched AR sustains
 RUN_SECONDS = 6.0  # ... and enough requests to keep batched AR busy about this long
 
@@ -169,40 +169,51 @@ class ServingHandlers:
 
     def _replays(self, lm, config: SimConfig, stop_at: float, state: ServingState, cancel, surface=None,
                  note: str = "") -> Iterator[tuple]:
+        """Every policy's replay, taking turns pass by pass as serve-sim's (simulation.interleaved): a machine whose
+        speed drifts slows every policy alike, not the ones replayed last."""
         requests = make_requests(config, [prompt_ids(lm.tokenizer, p) for p in EXAMPLE_PROMPTS])
         heatmap = surface_heatmap(surface) if surface is not None else None
         view = partial(self._view, heatmap=heatmap, note=note)
         yield view("Warming up…", {}, [])
         warm_up(lm, config, requests)
-        runs, summaries, shown = [], [], 0.0
-        for number, spec in enumerate(config.policies, 1):
-            run = None
-            for run in live_replay(lm, config, spec, requests, deadline=max(stop_at - time.monotonic(), 0.0),
-                                   stop=lambda: state.stop.is_set() or cancel.is_set(), surface=surface):
-                if time.monotonic() - shown >= self.chart_every:
-                    shown = time.monotonic()
-                    yield view(*self._progress(run, number, config, runs, summaries))
+        stop = lambda: state.stop.is_set() or cancel.is_set()  # read by every replay between its passes
+        replays = [live_replay(lm, config, spec, requests, deadline=max(stop_at - time.monotonic(), 0.0), stop=stop,
+                               surface=surface) for spec in config.policies]
+        latest: list = [None] * len(replays)
+        going, shown = list(range(len(replays))), 0.0
+        while going:
+            for i in list(going):
+                run = next(replays[i], None)
+                if run is None:
+                    going.remove(i)
                 else:
-                    yield (gr.skip(),) * 8  # nothing to draw: a cancelled run ends here, before its next pass
-            if run is None:
-                break
-            runs.append(run)
-            summaries.append(summarise(run))
+                    latest[i] = run
+            if time.monotonic() - shown >= self.chart_every:
+                shown = time.monotonic()
+                yield view(*self._progress([run for run in latest if run is not None], config))
+            else:
+                yield (gr.skip(),) * 8  # nothing to draw: a cancelled run ends here, before its next pass
+        runs = [run for run in latest if run is not None and run.events]
+        summaries = [summarise(run) for run in runs]
         reference = next((r for r in runs if r.policy == REFERENCE), None)
         if reference is not None:
             add_agreement(summaries, runs, reference)
         stopped = state.stop.is_set() or time.monotonic() > stop_at
         note = "Stopped" if state.stop.is_set() else "Time limit reached" if stopped else "Finished"
-        line = f"{note}: {len(runs)} of {len(config.policies)} policies served."
+        line = f"{note}: {len(runs)} of {len(config.policies)} policies served"
+        line += " (their totals so far)." if stopped else "."
         yield view(line, _all_series(runs), summaries)
 
-    def _progress(self, run, number: int, config: SimConfig, runs: list, summaries: list[dict]) -> tuple:
-        """(status text, series, totals) of the run so far."""
-        ended = sum(s.ended for s in run.loop.served.values())
-        last = run.events[-1]
-        text = (f"Policy {number} of {len(config.policies)} ({run.policy}): {ended} of {config.requests} requests "
-                f"ended, clock {run.loop.clock:.1f} s, tau now {last.tau:g}, width {last.width or '-'}.")
-        return text, _all_series([*runs, run]), [*summaries, summarise(run)]
+    def _progress(self, runs: list, config: SimConfig) -> tuple:
+        """(status text, series, totals) of the runs so far."""
+        parts = []
+        for run in runs:
+            ended = sum(s.ended for s in run.loop.served.values())
+            last = run.events[-1] if run.events else None
+            parts.append(f"{run.policy} {ended} of {config.requests} ended (clock {run.loop.clock:.1f} s"
+                         + (f", tau {last.tau:g}, width {last.width or '-'})" if last else ")"))
+        text = "Policies taking turns pass by pass: " + "; ".join(parts) + "."
+        return text, _all_series(runs), [summarise(run) for run in runs if run.events]
 
     def _view(self, text: str, all_series: dict[str, dict], summaries: list[dict], heatmap=None, note: str = ""
               ) -> tuple:

@@ -30,8 +30,9 @@ from .commit import commit_tokens, cut_at_stop_string
 from .config import VERIFYING_MODES, DecodeConfig, check_tau, resolve_max_fed
 from .metrics import Rates
 from .sampling import Sampling
+from .surface import Surface
 from .tree_shape import TreeShape, parse_tree
-from .width import OneRow, Surface, WidthController
+from .width import OneRow, WidthController
 
 
 class LiveTau:

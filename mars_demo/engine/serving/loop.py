@@ -51,7 +51,8 @@ from ..decoding.batch.token import TokenBatch
 from ..decoding.config import MODES, RANGES, DecodeConfig, check_tau
 from ..decoding.loop import context_limit
 from ..decoding.sampling import Sampling, check_temperature
-from ..decoding.width import Surface, WidthController
+from ..decoding.surface import Surface
+from ..decoding.width import WidthController
 from .policies import ENDINGS, RECENT, Load, Policy
 
 PassCost = Callable[[int, int, str, float], float]  # (rows, columns per row, "prefill" | "decode", measured s) -> s

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from ..decoding.chat import pad_id
 from ..decoding.loop import eos_ids
 from ..decoding.metrics import agreement, per_forward, per_second
-from ..decoding.width import Surface
+from ..decoding.surface import Surface
 from ..model import LoadedModel
 from .loop import LoopEvent, PassCost, Request, ServeConfig, ServingLoop
 from .policies import parse_policy

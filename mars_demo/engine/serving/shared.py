@@ -38,7 +38,7 @@ import torch
 from ..backends.base import Backend
 from ..decoding.chat import pad_id
 from ..decoding.loop import eos_ids
-from ..decoding.width import Surface, surface_for
+from ..decoding.surface import Surface, surface_for
 from ..model import LoadedModel
 from .loop import PassStep, Request, ServeConfig, ServingLoop
 from .policies import ENDINGS, Load, Policy, parse_policy

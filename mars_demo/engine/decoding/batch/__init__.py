@@ -25,7 +25,8 @@ from ...model import LoadedModel
 from ..chat import pad_id, prompt_ids
 from ..config import VERIFYING_MODES, DecodeConfig
 from ..loop import LiveTau, eos_ids
-from ..width import Surface, WidthController, surface_for
+from ..surface import Surface, surface_for
+from ..width import WidthController
 from .block import block_passes
 from .events import BatchEvent, BatchGeneration, BatchStats, RowStep, collect_batch
 from .rows import BatchSpec
