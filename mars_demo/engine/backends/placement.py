@@ -26,14 +26,15 @@ def choose_host_threads(count: int) -> None:
     _threads_chosen = True
 
 
-def settle_gpu_host(device: torch.device) -> None:
-    """One intra-op thread for a process decoding on a GPU, unless a user chose (or OMP_NUM_THREADS set) a count.
+def settle_gpu_host(device: torch.device, decoding: bool = True) -> None:
+    """One intra-op thread for a process decoding on a GPU, unless a user chose (or OMP_NUM_THREADS set) a count;
+    ``decoding`` False (a load for training or data) leaves torch's count.
 
     The host only queues kernels and reads back a few numbers a pass; torch's team of a thread per
     core wakes for each of its small host operations, and a launch-bound pass waits for it
     (BENCHMARKS.md, "GPU").
     """
-    if device.type == "cuda" and not _threads_chosen and settings.OMP_NUM_THREADS.read() is None:
+    if decoding and device.type == "cuda" and not _threads_chosen and settings.OMP_NUM_THREADS.read() is None:
         torch.set_num_threads(1)
 
 

@@ -163,7 +163,8 @@ def merged_bundled_dir() -> Path:
 def pick_device(device: str | None = None, precision: str | None = None) -> tuple[torch.device, torch.dtype]:
     """The device, and the dtype to load in.
 
-    fp32 on a CPU (backends/cpu/quant.py converts it), bf16 on a GPU unless fp32 is asked.
+    fp32 on a CPU (backends/cpu/quant.py converts it), bf16 on a GPU unless fp32 is asked. A load for decoding
+    (a ``precision`` given) on a GPU keeps one host thread (placement.settle_gpu_host).
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,6 +173,7 @@ def pick_device(device: str | None = None, precision: str | None = None) -> tupl
         return dev, torch.float32
     if precision in ("int8", "int8dyn"):
         raise ModelLoadError(f"precision {precision} is a CPU path; on a GPU use auto, bf16 or fp32")
+    settle_gpu_host(dev, decoding=precision is not None)
     return dev, (torch.float32 if precision == "fp32" else torch.bfloat16)
 
 
@@ -365,8 +367,6 @@ def load_model(
         precision = check_precision(precision)
     dev, dtype = pick_device(device, precision)
     on_path = precision is not None and dev.type == "cpu"
-    if precision is not None:  # decoding
-        settle_gpu_host(dev)
     if on_path:
         prebuild()  # the compiler runs while the weights load and convert
     base, adapter_dir, ours = _source(spec, dtype)
