@@ -20,7 +20,7 @@ BAD_TREE = (f"Candidate tree must be chain, auto or a shape such as 2,1,1: comma
 TREE_INFO = (
     "Exact and hybrid modes: a pass verifies a tree of the masks' top candidates, not one guess per position; the "
     "text is the same. 2,1,1: 2 candidates at depth 1, 1 under each at depths 2 and 3; auto picks each pass's shape "
-    "by expected tokens per ms. On a small CPU a chain is usually as fast (BENCHMARKS.md, \"Candidate trees\")."
+    "by expected tokens per ms. On a small CPU a chain is usually as fast (docs/bench/history.md, \"Candidate trees\")."
 )
 
 

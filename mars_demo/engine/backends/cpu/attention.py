@@ -20,7 +20,7 @@ ROW_EXACT_ROWS = 16
 # bf16, int8 and int8dyn: prefills up to this many rows attend row by row too. A MARS or exact prefill
 # feeds the prompt and masks, AR's the prompt alone, a batch's prefill pads its prompts, and SDPA
 # over a block of rows rounds by block size (~1e-6 in fp32): int8dyn's per-row scales can turn that
-# into a flipped token (BENCHMARKS.md, "Quality by compute path"), and so can int8's near ties (a live
+# into a flipped token (docs/bench/history.md, "Quality by compute path"), and so can int8's near ties (a live
 # batch's row against the same prompt alone, tests/test_live.py). Longer prompts attend in one call.
 ROW_EXACT_PREFILL = "row_exact_prefill"
 ROW_EXACT_PREFILL_ROWS = 2048
