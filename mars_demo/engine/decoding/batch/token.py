@@ -70,10 +70,10 @@ def verify_block(
     positions = first[:, None] + columns  # (A, width): real part and main masks continue the row
     after_pending = torch.tensor([pos + len(p) for pos, p in zip(next_pos, pending)], device=device)
     positions[:, n + L :] = after_pending[:, None] + torch.arange(g, device=device)
-    fallback = [[1 if d else 0] * g for d in drafts]
+    drafted = torch.tensor([len(d) > 0 for d in drafts], dtype=torch.long, device=device)  # reads its fallback
     present = torch.cat([
         torch.tensor(real_attn, device=device), torch.ones(len(real), L, dtype=torch.long, device=device),
-        torch.tensor(fallback, dtype=torch.long, device=device).reshape(len(real), g),
+        drafted[:, None].expand(-1, g),
     ], 1)
     block = torch.ones(width, width, dtype=torch.bool, device=device).tril()[None] & present.bool()[:, None, :]
     for r, d in enumerate(drafts):

@@ -251,9 +251,10 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
 
 int run(const Pass& p, const Layer* layers, int64_t n_layers) {
   const int64_t rows = p.batch * p.rows, H = p.hidden;
-  int64_t widest = 0, widest_in = 0;
+  int64_t widest = 0, widest_in = 0, widest_qkv = 0;
   for (int64_t l = 0; l < n_layers; l++) {
     const Layer& L = layers[l];
+    widest_qkv = L.qkv.out > widest_qkv ? L.qkv.out : widest_qkv;
     const int64_t outs[4] = {L.qkv.out, L.o.out, L.gate_up.out, L.down.out};
     const int64_t ins[4] = {L.qkv.in, L.o.in, L.gate_up.in, L.down.in};
     for (int j = 0; j < 4; j++) {
@@ -264,7 +265,7 @@ int run(const Pass& p, const Layer* layers, int64_t n_layers) {
   float* h = (float*)malloc(sizeof(float) * rows * H);  // a norm's output
   float* wide = (float*)malloc(sizeof(float) * rows * widest);  // q/k/v or gate/up rows (packed)
   // q/k/v rows in their places for the attention: with holes left out, its own, holes' rows zero
-  float* rect = p.live ? (float*)calloc(rows * widest, sizeof(float)) : wide;
+  float* rect = p.live ? (float*)calloc(rows * widest_qkv, sizeof(float)) : wide;
   float* act = (float*)malloc(sizeof(float) * rows * widest_in);  // the attention's output or SiLU * up
   float* y = (float*)malloc(sizeof(float) * rows * H);
   uint8_t* codes = (uint8_t*)malloc(rows * padded(widest_in, DEPTH) + 1);
