@@ -11,6 +11,7 @@ What must hold:
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import LiveTau, eos_ids
 from mars_demo.engine.decoding.surface import Surface, affordable_rate, cached_surface, measure
+from mars_demo.engine.decoding.exact import DraftDepth
 from mars_demo.engine.decoding.width import Hits, WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import Load, parse_policy
@@ -186,6 +188,7 @@ GENTLE = Surface.from_cost(lambda r, w: 10.0 + 0.5 * r * w, rows=ROWS, widths=WI
 @pytest.mark.parametrize("surface", [FREE, LINEAR, GENTLE], ids=["free", "linear", "gentle"])
 def test_verifying_passes_at_tau_1_with_the_controller_are_greedy_ar(tiny_lm, surface):
     """Exact mode, and hybrid mode at tau 1.0 (the same passes): greedy AR, whatever widths the controller picks."""
+    surface = copy.copy(surface)  # its own pooled shares: what another model's drafts showed on it is not this one's
     ids = _ids(tiny_lm)
     ar, _ = _batch(tiny_lm, ids, 1.0)
     out, events = _batch(tiny_lm, ids, 1.0, surface=surface, verifying=True)
@@ -307,6 +310,52 @@ def test_the_controller_corrects_a_measured_surface_by_the_passes_it_sees():
     simulated = WidthController(FREE, 4)  # a cost model's surface is the clock itself: never corrected
     simulated.passed(4, 3, 1.0)
     assert simulated.scale[True] == 1.0
+
+
+def test_a_wide_ratio_raised_by_a_burst_drifts_back_once_wide_passes_stop():
+    gentle = Surface.from_cost(lambda r, w: 5.0 + 0.2 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(gentle, 4)
+    rows = [Hits(3) for _ in range(2)]
+    assert controller.choose(rows, [9] * 2, 0.9) > 1
+    for _ in range(30):  # a burst of other load: wide passes read three times their price
+        controller.passed(2, 3, 3 * gentle.ms(2, 3) / 1000)
+    assert controller.choose(rows, [9] * 2, 0.9) == 1
+    for _ in range(WidthController.STALE):  # one-token passes at their price: the wide ratio is not measured
+        controller.passed(2, 1, gentle.ms(2, 1) / 1000)
+    assert controller.scale[True] == pytest.approx(3.0, rel=0.05)  # not yet: a short run of AR passes says nothing
+    for _ in range(40):
+        controller.passed(2, 1, gentle.ms(2, 1) / 1000)
+    assert controller.scale[True] < 1.1 and controller.choose(rows, [9] * 2, 0.9) > 1  # tried again
+
+
+def test_verifying_and_window_passes_keep_their_own_price_corrections():
+    measured = Surface.from_cost(lambda r, w: 5.0 + 0.1 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    window, verifying = WidthController(measured, 4), WidthController(measured, 4, verifying=True)
+    for _ in range(40):
+        verifying.passed(2, 4, 2 * measured.ms(2, 4) / 1000)  # verifying passes' masks cost twice their price
+    assert verifying.scale[True] == pytest.approx(2.0, rel=0.05) and window.scale[True] == 1.0
+    assert WidthController(measured, 4, verifying=True).scale[True] == verifying.scale[True]  # shared on the surface
+
+
+def test_a_verifying_batch_starts_from_the_drafts_earlier_batches_held():
+    measured = Surface.from_cost(lambda r, w: 5.0 + 0.1 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    first = WidthController(measured, 4, verifying=True)
+    assert first.start_drafts(3) == ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])  # nothing seen yet: the prior
+    for _ in range(200):
+        first.observe_drafts(3, 3)  # every draft held
+        first.observe_drafts(0, 0)  # a row without drafts shows nothing
+    held, tried = WidthController(measured, 4, verifying=True).start_drafts(3)
+    assert tried == [2.0] * 3 and all(h > 1.8 for h in held)
+    costs = {1: 5.0, 4: 8.5, 7: 12.0, 10: 15.5}  # a draft pays only if more than 7 in 10 hold
+    pooled, prior = DraftDepth(3, costs, (held, tried)), DraftDepth(3, costs)
+    assert pooled.layout()[0] > 0
+    for depths in (pooled, prior):
+        for _ in range(6):  # a new batch's first drafts all miss: plain AR passes
+            depths.observe(1, 0)
+        assert depths.layout()[0] == 0
+    # AR passes fade the counts back to where they started: the pooled share drafts again, the prior never would
+    assert any(pooled.layout()[0] > 0 for _ in range(40))
+    assert not any(prior.layout()[0] > 0 for _ in range(40))
 
 
 def test_a_row_narrowed_to_ar_passes_is_offered_a_mask_again_later():

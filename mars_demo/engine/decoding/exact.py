@@ -145,20 +145,24 @@ class DraftDepth:
     one token and drafts D. Without a curve (a GPU, an unmeasured model) passes are
     taken to cost the same at any width: the widest layout with fallback masks.
     A plain AR pass (D = 0) tries no draft, so it would learn nothing that could end a run of them:
-    while they are chosen the counts fade towards the prior (FADE a pass), and drafting is tried again
-    after a few passes or, on much evidence against it, many (a sampled run's first rejections would
-    otherwise leave it on AR passes for good). The layout changes the width of passes, never which
+    while they are chosen the counts fade towards where they started (FADE a pass: the prior, or in a
+    batch the share earlier batches showed), and drafting is tried again after a few passes or, on much
+    evidence against it, many (a sampled run's first rejections would otherwise leave it on AR passes
+    for good). The layout changes the width of passes, never which
     tokens are committed.
     """
 
     PRIOR = (1, 2)  # pseudo-counts (held, tried) per depth: a first guess of one in two
     FADE = 0.9  # what an AR pass leaves of the counts past the prior
 
-    def __init__(self, most: int, costs: dict[int, float] | None) -> None:
+    def __init__(
+        self, most: int, costs: dict[int, float] | None, start: tuple[list[float], list[float]] | None = None
+    ) -> None:
+        """``start``: pseudo-counts (held, tried) per depth to begin from and fade back to; None: the prior."""
         self.most = most
         self.costs = dict(sorted(costs.items())) if costs else None
-        self.held = [self.PRIOR[0]] * most
-        self.tried = [self.PRIOR[1]] * most
+        self.start = start or ([float(self.PRIOR[0])] * most, [float(self.PRIOR[1])] * most)
+        self.held, self.tried = list(self.start[0]), list(self.start[1])
 
     def observe(self, drafted: int, held: int) -> None:
         """A pass verified ``drafted`` drafts and kept the first ``held``: depth j was tried if j - 1 held."""
@@ -193,9 +197,9 @@ class DraftDepth:
         options = [(0, True)] + [(d, f) for d in range(1, self.most + 1) for f in fallbacks]
         chosen = max(options, key=lambda option: self.rate(*option))
         if not chosen[0]:
-            (h, t), fade = self.PRIOR, self.FADE
-            self.held = [h + (n - h) * fade for n in self.held]
-            self.tried = [t + (n - t) * fade for n in self.tried]
+            fade = self.FADE
+            self.held = [h + (n - h) * fade for n, h in zip(self.held, self.start[0])]
+            self.tried = [t + (n - t) * fade for n, t in zip(self.tried, self.start[1])]
         return chosen
 
 

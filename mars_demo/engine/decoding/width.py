@@ -122,19 +122,28 @@ class WidthController:
 
     On a measured surface the controller also checks it against the passes it sees (``passed``): the
     running ratio of a pass's measured time to the surface's price, kept apart for one-token and wider
-    passes (the host work a real batch adds per column is not all in the surface), scales the price
-    of every later pass. A simulated surface is the clock itself and is taken as it is.
+    passes (the host work a real batch adds per column is not all in the surface) and for MARS windows
+    and verifying passes (whose 4-D masks and fallback groups add their own), scales the price of every
+    later pass of its kind. A wide ratio is measured only while wide passes are taken, so one that a
+    burst of other load raised could keep them off for good: after STALE one-token passes in a row it
+    drifts back toward the one-token ratio (the surface's own relative prices), and a wide pass is tried
+    again once the surface says it pays. A simulated surface is the clock itself and is taken as it is.
     """
 
     ROW_DECAY = 0.95  # a row's own share follows its last tens of passes
     POOLED_DECAY = 0.99  # the batch's, its last hundreds of row passes
     COST_DECAY = 0.9  # the measured / priced ratio follows the last tens of passes
+    STALE = 16  # one-token passes in a row after which the wide ratio, unmeasured since, drifts back
 
-    def __init__(self, surface: Surface | None, most: int) -> None:
+    def __init__(self, surface: Surface | None, most: int, *, verifying: bool = False) -> None:
         self.surface, self.most = surface, max(int(most), 1)
         shared = _POOLED.setdefault(surface, {}) if surface is not None else {}
         self.pooled: dict[float, Hits] = shared.setdefault(self.most, {})  # tau -> the pooled share
-        self.scale: dict[bool, float] = shared.setdefault("scale", {False: 1.0, True: 1.0})  # wide? -> ratio
+        self.shared = shared
+        self.drafts: Hits | None = None  # verifying passes: the pooled share of drafts held (start_drafts)
+        kind = "verify" if verifying else "window"
+        self.scale: dict[bool, float] = shared.setdefault(("scale", kind), {False: 1.0, True: 1.0})  # wide? -> ratio
+        self.narrow_run: list[int] = shared.setdefault(("narrow run", kind), [0])  # one-token passes since a wide one
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
 
     def new_row(self, tau: float) -> Hits:
@@ -164,8 +173,23 @@ class WidthController:
         if self.surface is None or self.surface.simulated or rows < 1 or columns < 1 or seconds <= 0:
             return
         ratio = seconds * 1000 / self.surface.ms(rows, columns)
-        wide = columns > 1
-        self.scale[wide] = self.COST_DECAY * self.scale[wide] + (1 - self.COST_DECAY) * min(max(ratio, 0.25), 4.0)
+        wide, decay = columns > 1, self.COST_DECAY
+        self.scale[wide] = decay * self.scale[wide] + (1 - decay) * min(max(ratio, 0.25), 4.0)
+        self.narrow_run[0] = 0 if wide else self.narrow_run[0] + 1
+        if self.narrow_run[0] > self.STALE:  # the wide ratio, unmeasured for a while, drifts back (class docstring)
+            self.scale[True] = decay * self.scale[True] + (1 - decay) * self.scale[False]
+
+    def start_drafts(self, depth: int) -> tuple[list[float], list[float]]:
+        """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the
+        share of drafts held that earlier batches on this surface showed, weighted as the prior is."""
+        self.drafts = self.shared.setdefault(("drafts", depth), Hits(depth, self.POOLED_DECAY))
+        tried = [float(Hits.PRIOR[1])] * depth
+        return [t * self.drafts.share(j) for j, t in enumerate(tried)], tried
+
+    def observe_drafts(self, drafted: int, held: int) -> None:
+        """A row's verifying pass checked ``drafted`` drafts and kept the first ``held``: the pooled share."""
+        if drafted and self.drafts is not None:  # a row with no drafts shows nothing about them
+            self.drafts.observe(drafted, held)
 
     def choose(self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None) -> int:
         """The width of the next pass (``fed`` as in ``rate``): 1 at tau = 1.0, else the best rate."""

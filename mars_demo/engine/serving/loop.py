@@ -48,7 +48,7 @@ import torch
 from ..backends.base import Backend
 from ..backends.placement import SeededGenerator
 from ..decoding.batch.token import TokenBatch
-from ..decoding.config import MODES, RANGES, DecodeConfig, check_tau
+from ..decoding.config import MODES, RANGES, VERIFYING_MODES, DecodeConfig, check_tau
 from ..decoding.loop import context_limit
 from ..decoding.sampling import Sampling, check_temperature
 from ..decoding.surface import Surface
@@ -168,7 +168,7 @@ class ServingLoop:
         """``surface``: what a pass costs by rows and width (width.py); None takes width to be free."""
         self.backend, self.mask_id, self.pad_id, self.stop_ids = backend, mask_id, pad_id, set(stop_ids)
         self.config, self.policy, self.pass_cost = config, policy, pass_cost
-        self.controller = WidthController(surface, config.block_size)
+        self.controller = WidthController(surface, config.block_size, verifying=config.mode in VERIFYING_MODES)
         self.generator = SeededGenerator(config.seed)  # every batch's draws, newcomers' included
         self.clock = 0.0
         self.served: dict[int, Served] = {}

@@ -90,7 +90,7 @@ def stream_batch(
     if scheme == "token":
         widest = window if config.max_fed in (None, "auto") else min(window, config.max_fed)
         priced = surface if config.max_fed == "auto" else None
-        settings["controller"] = WidthController(priced, widest)
+        settings["controller"] = WidthController(priced, widest, verifying=config.mode in VERIFYING_MODES)
     return decode_batch(
         backend, prompts, config, scheme=scheme, block_size=window, mask_id=mask_id, pad_id=pad_id(tokenizer),
         tau=tau or LiveTau(config.tau), stop_ids=eos_ids(backend, tokenizer), **settings,

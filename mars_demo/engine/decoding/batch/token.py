@@ -175,7 +175,8 @@ class TokenBatch:
         self.history = [list(p) for p in prompts]
         self.controller = controller or WidthController(None, block_size)
         self.hits: list[Hits | None] = [None] * len(prompts)  # each row's running acceptance, made at its first use
-        self.depths = exact.DraftDepth(block_size - 1, None)  # verifying: the pooled share of drafts held
+        # verifying: the share of drafts held, from what earlier batches on this surface showed
+        self.depths = exact.DraftDepth(block_size - 1, None, self.controller.start_drafts(block_size - 1))
         self.passes = 0
 
     @torch.inference_mode()
@@ -198,7 +199,9 @@ class TokenBatch:
                 steps, fed = self._window_pass(1.0)
                 steps = [replace(step, origins=(exact.AR,) * len(step.token_ids)) for step in steps]
             for r, count in drafted.items():
-                self.depths.observe(count, sum(o == exact.DRAFT for o in steps[r].origins))
+                held = sum(o == exact.DRAFT for o in steps[r].origins)
+                self.depths.observe(count, held)
+                self.controller.observe_drafts(count, held)
                 self.history[r] += steps[r].token_ids
         else:
             steps, fed = self._window_pass(tau)
