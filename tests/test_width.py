@@ -359,7 +359,7 @@ def test_a_verifying_batch_starts_from_the_drafts_earlier_batches_held():
 
 
 def test_a_row_narrowed_to_ar_passes_is_offered_a_mask_again_later():
-    controller = WidthController(GENTLE, 4)
+    controller = WidthController(copy.copy(GENTLE), 4)  # its own pooled shares: none seen yet, so the prior
     row = controller.new_row(0.9)
     for _ in range(30):  # a hard stretch: masks never hold
         controller.observe(row, 0.9, 3, 0)
@@ -367,6 +367,21 @@ def test_a_row_narrowed_to_ar_passes_is_offered_a_mask_again_later():
     for _ in range(100):  # width-1 passes show nothing: the estimate relaxes toward the prior
         controller.observe(row, 0.9, 0, 0)
     assert controller.choose([row], [99], 0.9) > 1
+
+
+def test_a_row_relaxes_back_to_the_share_its_batch_showed_not_to_the_prior():
+    surface = Surface.from_cost(lambda r, w: 10.0 + (w - 1) * r, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(surface, 4)
+    assert controller.choose([controller.new_row(0.9) for _ in range(2)], [99] * 2, 0.9) > 1  # one in two pays
+    seen = controller.new_row(0.9)
+    for i in range(300):  # the batch's rows so far: one mask in five holds, which does not pay here
+        controller.observe(seen, 0.9, 1, int(i % 5 == 0))
+    rows = [controller.new_row(0.9) for _ in range(2)]
+    assert controller.choose(rows, [99] * 2, 0.9) == 1
+    for _ in range(200):  # plain AR passes: each row relaxes toward the batch's share, so stays narrow
+        for row in rows:
+            controller.observe(row, 0.9, 0, 0)
+    assert controller.choose(rows, [99] * 2, 0.9) == 1
 
 
 def test_idle_passes_pull_a_row_toward_the_prior_as_one_at_a_time_would():

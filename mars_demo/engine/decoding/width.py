@@ -47,17 +47,19 @@ class Hits:
     Depth j counts as tried when every depth before it held. ``decay`` (< 1) forgets old passes, so a
     row whose text turns from prose to code, or a tau that changes, moves the estimate within tens of
     passes. A pass that offered nothing (width 1) shows nothing, so it relaxes the estimate toward
-    the prior instead: a row narrowed to AR passes by a hard stretch is offered a mask again some tens
-    of passes later, and keeps it if its text has turned easy. PRIOR: pseudo-counts (held, tried), a
-    first guess of one in two.
+    where it started instead (``start``: the prior, or the share the batch's rows had shown when the
+    row began): a row narrowed to AR passes by a hard stretch is offered a mask again some tens of
+    passes later, and keeps it if its text has turned easy; a row that began where masks do not pay
+    is not pulled toward a share they would. PRIOR: pseudo-counts (held, tried), a first guess of one
+    in two.
     """
 
     PRIOR = (1.0, 2.0)
 
-    def __init__(self, depth: int, decay: float = 1.0) -> None:
+    def __init__(self, depth: int, decay: float = 1.0, start: tuple[list[float], list[float]] | None = None) -> None:
         self.decay = decay
-        self.held = [self.PRIOR[0]] * depth
-        self.tried = [self.PRIOR[1]] * depth
+        self.start = start or ([self.PRIOR[0]] * depth, [self.PRIOR[1]] * depth)
+        self.held, self.tried = list(self.start[0]), list(self.start[1])
         self.idle = 0  # passes that offered nothing, not yet applied (a pass of plain AR costs no host work here)
 
     def observe(self, offered: int, extra: int) -> None:
@@ -74,11 +76,11 @@ class Hits:
             self.held[j] += j < extra
 
     def _relax(self) -> None:
-        """The idle passes' pull toward the prior, all at once: d^k of the way left after k of them."""
+        """The idle passes' pull toward the start, all at once: d^k of the way left after k of them."""
         if self.idle:
-            left, (held, tried) = self.decay**self.idle, self.PRIOR
-            self.held = [held + left * (h - held) for h in self.held]
-            self.tried = [tried + left * (t - tried) for t in self.tried]
+            left, (held, tried) = self.decay**self.idle, self.start
+            self.held = [h0 + left * (h - h0) for h, h0 in zip(self.held, held)]
+            self.tried = [t0 + left * (t - t0) for t, t0 in zip(self.tried, tried)]
             self.idle = 0
 
     def share(self, j: int) -> float:
@@ -133,7 +135,7 @@ class WidthController:
     ROW_DECAY = 0.95  # a row's own share follows its last tens of passes
     POOLED_DECAY = 0.99  # the batch's, its last hundreds of row passes
     COST_DECAY = 0.9  # the measured / priced ratio follows the last tens of passes
-    STALE = 16  # one-token passes in a row after which the wide ratio, unmeasured since, drifts back
+    STALE = 32  # one-token passes in a row after which the wide ratio, unmeasured since, drifts back
 
     def __init__(self, surface: Surface | None, most: int, *, verifying: bool = False) -> None:
         self.surface, self.most = surface, max(int(most), 1)
@@ -147,15 +149,17 @@ class WidthController:
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
 
     def new_row(self, tau: float) -> Hits:
-        hits = Hits(self.most - 1, self.ROW_DECAY)
-        pooled = self.pooled.get(round(tau, 4))
-        if pooled is not None:  # start from what the batch's rows have shown at this tau
-            hits.held = [Hits.PRIOR[1] * pooled.share(j) for j in range(self.most - 1)]
-        return hits
+        """A row's acceptance, started from (and relaxing back to) what the batch's rows have shown at this tau."""
+        pooled, depth = self.pooled.get(round(tau, 4)), self.most - 1
+        if pooled is None:
+            return Hits(depth, self.ROW_DECAY)
+        tried = [Hits.PRIOR[1]] * depth
+        return Hits(depth, self.ROW_DECAY, ([t * pooled.share(j) for j, t in enumerate(tried)], tried))
 
     def observe(self, row: Hits, tau: float, offered: int, extra: int) -> None:
         row.observe(offered, extra)
-        self.pooled.setdefault(round(tau, 4), Hits(self.most - 1, self.POOLED_DECAY)).observe(offered, extra)
+        if offered:  # the pooled share learns from masks offered; a row's idle pass shows nothing about them
+            self.pooled.setdefault(round(tau, 4), Hits(self.most - 1, self.POOLED_DECAY)).observe(offered, extra)
 
     def rate(self, rows: Sequence[Hits], caps: Sequence[int], width: int, fed: int | None = None) -> float:
         """Expected committed tokens per ms of passes of ``width`` over these rows (module docstring).
@@ -183,7 +187,7 @@ class WidthController:
         """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the
         share of drafts held that earlier batches on this surface showed, weighted as the prior is."""
         self.drafts = self.shared.setdefault(("drafts", depth), Hits(depth, self.POOLED_DECAY))
-        tried = [float(Hits.PRIOR[1])] * depth
+        tried = [Hits.PRIOR[1]] * depth
         return [t * self.drafts.share(j) for j, t in enumerate(tried)], tried
 
     def observe_drafts(self, drafted: int, held: int) -> None:
