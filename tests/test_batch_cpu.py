@@ -225,12 +225,12 @@ def test_a_pass_with_holes_computes_its_fed_rows_as_the_pass_without_them(on_pat
     seen = []
 
     def passes(packed: bool):
-        def run_with(self, x, cos, sin, start, buffers, visible, memo=None):
+        def run_with(self, x, cos, sin, start, buffers, visible, memo=None, final_norm=None):
             if visible is not None and start:  # a decoding pass (the prefill is fed apart)
                 seen.append(visible.live)
                 if not packed:
                     visible.live = None
-            return run(self, x, cos, sin, start, buffers, visible, memo)
+            return run(self, x, cos, sin, start, buffers, visible, memo, final_norm)
 
         monkeypatch.setattr(native_layers.NativeLayers, "run", run_with)
         kv = PaddedCache(on_path.backend, len(ids))

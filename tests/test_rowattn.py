@@ -127,18 +127,24 @@ def test_a_boolean_mask_reads_as_the_additive_one():
 
 @needs_kernel
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_a_padding_mask_gives_the_ranges_of_transformers_4d_mask(q_len):
+@pytest.mark.parametrize("holes", [False, True], ids=["fed", "holes"])
+def test_a_padding_mask_gives_the_ranges_of_transformers_4d_mask(q_len, holes):
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     generator = torch.Generator().manual_seed(q_len)
     padding = (torch.rand(5, 17, generator=generator) > 0.3).long()
     padding[:, -q_len:] = 1
     padding[2, :9] = 0  # left padding
+    if holes:  # a narrower row's columns of this pass that it is not fed
+        padding[1, -1] = padding[3, -q_len:] = 0
     four_d = sdpa_mask(batch_size=5, q_length=q_len, kv_length=17, q_offset=17 - q_len, kv_offset=0,
                        mask_function=causal_mask_function, attention_mask=padding.bool(), allow_is_causal_skip=False)
     want, got = rowattn.Visible(four_d, 5, q_len, 17), rowattn.Visible.padded(padding, q_len)
     assert torch.equal(got.ranges, want.ranges) and torch.equal(got.offsets, want.offsets) and got.work == want.work
     assert want.work < 5 * q_len * 17  # the holes are missing from both
+    assert (got.live is None) == (want.live is None) == (not holes)
+    if holes:
+        assert torch.equal(got.live, want.live)
 
 
 def test_exact_modes_verifying_window_rows_equal_one_token_passes():

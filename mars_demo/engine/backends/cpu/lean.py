@@ -178,12 +178,14 @@ class LeanForward:
             mask = self._visible(x, mask, past)
         elif mask is None or mask.dim() == 2:
             mask = self._mask(x, mask, past)
-        if native:
-            x = self._native_pass(cache, x, *self._rope(x, positions), mask)
+        if native:  # the last norm too, where the native layers take its weight
+            final = (self.norm, self.norm_eps) if self.native.final_weight(self.norm) else None
+            x = self._native_pass(cache, x, *self._rope(x, positions), mask, final)
+            if final is None:
+                x = _norm(x, self.norm, self.norm_eps)
         else:
             cos, sin = self.rotary(x, position_ids=positions)  # (batch, n, head_dim)
-            x = self._layers(x, cos, sin, mask, cache)
-        x = _norm(x, self.norm, self.norm_eps)
+            x = _norm(self._layers(x, cos, sin, mask, cache), self.norm, self.norm_eps)
         if clock is not None:
             clock("forward_body", False)
             clock("lm_head", True)
@@ -275,7 +277,9 @@ class LeanForward:
             return False
         return x.shape[1] <= MAX_ROWS.get(self.attention, 0)
 
-    def _native_pass(self, cache: CpuCache | None, x: torch.Tensor, cos, sin, mask: rowattn.Visible | None):
+    def _native_pass(
+        self, cache: CpuCache | None, x: torch.Tensor, cos, sin, mask: rowattn.Visible | None, final=None,
+    ):
         batch, rows = x.shape[:2]
         # what the cache keeps: fp16 where native_layers.half_cache(), unless it already holds columns of another kind
         kind = (cache.dtype if cache is not None else None) or (torch.float16 if half_cache() else x.dtype)
@@ -286,7 +290,7 @@ class LeanForward:
             start, memo = 0, None
             buffers = [(like.new_empty(batch, like.shape[1], rows, like.shape[-1]),
                         like.new_empty(batch, like.shape[1], rows, like.shape[-1])) for _ in self.layers]
-        return self.native.run(x, cos, sin, start, buffers, mask, memo)
+        return self.native.run(x, cos, sin, start, buffers, mask, memo, final)
 
     def _plainly_causal(self, x: torch.Tensor, mask, native: bool) -> bool:
         """Whether this pass's mask would say only "each row sees the cache and the rows up to it".

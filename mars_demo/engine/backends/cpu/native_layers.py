@@ -53,6 +53,7 @@ class _Pass(ctypes.Structure):
         ("keys", ctypes.POINTER(_P)), ("values", ctypes.POINTER(_P)), ("half_cache", _I),
         ("cache_batch_stride", _I), ("cache_head_stride", _I), ("start", _I), ("ranges", _P), ("offsets", _P),
         ("scale", _F), ("inverse", _F), ("threads", _I), ("attention_threads", _I), ("live", _P), ("n_live", _I),
+        ("final_norm", _P), ("final_eps", _F),
     ]
 
 
@@ -145,6 +146,10 @@ class NativeLayers:
             linears.append(parts)
         return cls(layers, linears, scales.pop(), function)
 
+    def final_weight(self, weight: torch.Tensor) -> bool:
+        """Whether ``run`` can apply a last RMSNorm with this weight: fp32, contiguous, on the CPU, hidden floats."""
+        return _norm_weight(weight, self.hidden)
+
     @staticmethod
     def pointers(buffers: list, memo: dict | None = None):
         """The buffers' addresses as decoder.cpp reads them: (keys, values), each an array by layer.
@@ -164,7 +169,7 @@ class NativeLayers:
 
     def run(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int, buffers: list, visible,
-        memo: dict | None = None,
+        memo: dict | None = None, final_norm: tuple[torch.Tensor, float] | None = None,
     ):
         """The decoder layers over ``x`` (batch, rows, hidden) fp32: a new tensor.
 
@@ -175,6 +180,8 @@ class NativeLayers:
         visible: rowattn.Visible for a masked pass, None for a causal one over the cache. The rows it finds fed
         no token (``Visible.live``) are left out of all but the attention: their outputs are not to be read.
         memo: see ``pointers``.
+        final_norm: (weight, eps) of the model's last RMSNorm (fp32, hidden floats), applied to the fed rows after the
+        layers in the same call (``final_weight`` says which weights it takes); None leaves the rows unnormalised.
         """
         batch, rows, _ = x.shape
         x = x.clone(memory_format=torch.contiguous_format)  # written in place
@@ -190,6 +197,7 @@ class NativeLayers:
             stride[0], stride[1], start, ranges, offsets, self.scale, int8gemm.INVERSE_STEP,
             torch.get_num_threads(), rowattn.threads(visible, batch, rows, start + rows, self.heads),
             None if live is None else live.data_ptr(), 0 if live is None else live.numel(),
+            None if final_norm is None else final_norm[0].data_ptr(), 0.0 if final_norm is None else final_norm[1],
         )
         failed = self.function(ctypes.byref(run), self.layers, len(self.layers))
         if failed == 1:

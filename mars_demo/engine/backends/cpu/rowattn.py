@@ -86,10 +86,36 @@ class Visible:
     @classmethod
     def padded(cls, padding: torch.Tensor, q_len: int) -> Visible:
         """A causal pass of ``q_len`` rows under a 2-D mask ``padding`` (batch, keys; 1 = attend, 0 = a hole) that
-        covers the cache and the pass: what transformers' 4-D mask says, without building it."""
-        keys, device = padding.shape[1], padding.device
-        causal = torch.arange(keys, device=device) <= torch.arange(keys - q_len, keys, device=device)[:, None]
-        return cls(None, allowed=padding.bool()[:, None, :] & causal)
+        covers the cache and the pass: what transformers' 4-D mask says, without building it.
+
+        Built from each sequence's runs of attended keys, found once, then cut at each row's own column (row i of
+        the pass sees keys up to keys - q_len + i): a batch's every pass does this, so it stays a few numpy ops.
+        """
+        pad = padding.bool().cpu().numpy()
+        batch, keys = pad.shape
+        flat = np.zeros((batch, keys + 2), dtype=np.int8)
+        flat[:, 1:-1] = pad
+        edges = np.diff(flat, axis=1)
+        sequence, start = np.nonzero(edges == 1)  # row-major: starts and ends pair up in order
+        _, end = np.nonzero(edges == -1)
+        if q_len > 1:  # each run once for each row of its sequence, in row order, cut at the row's own column
+            row = np.repeat(sequence * q_len, q_len) + np.tile(np.arange(q_len), len(start))
+            order = np.argsort(row, kind="stable")
+            row, start, end = row[order], np.repeat(start, q_len)[order], np.repeat(end, q_len)[order]
+            end = np.minimum(end, keys - q_len + row % q_len + 1)
+            kept = start < end
+            row, start, end = row[kept], start[kept], end[kept]
+        else:
+            row = sequence
+        visible = cls.__new__(cls)
+        visible.ranges = torch.from_numpy(np.stack([start, end], axis=1).astype(np.int64))
+        offsets = np.zeros(batch * q_len + 1, dtype=np.int64)
+        np.cumsum(np.bincount(row, minlength=batch * q_len), out=offsets[1:])
+        visible.offsets = torch.from_numpy(offsets)
+        visible.work = int((end - start).sum())
+        own = pad[:, keys - q_len :].reshape(-1)  # each row's own column
+        visible.live = None if own.all() else torch.from_numpy(np.flatnonzero(own).astype(np.int64))
+        return visible
 
 
 def threads(visible: Visible | None, batch: int, rows: int, keys: int, heads: int) -> int:

@@ -62,9 +62,11 @@ struct Pass {
   int64_t threads, attention_threads;
   const int64_t* live;  // the rows (b * rows + i) that are fed a token, ascending, or null: every row
   int64_t n_live;  // their count
+  const float* final_norm;  // the model's last RMSNorm, applied to the fed rows after the layers, or null: none
+  float final_eps;
 };
 
-// transformers' RMSNorm of row x (n floats): weight * (x * 1 / sqrt(mean(x^2) + eps)).
+// transformers' RMSNorm of row x (n floats): weight * (x * 1 / sqrt(mean(x^2) + eps)); out may be x itself.
 void rms_norm_row(const float* x, int64_t n, const float* weight, float eps, float* out) {
   v8f lanes = splat(0.0f);
   int64_t k = 0;
@@ -246,6 +248,8 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
     // the residual, then (next layer) the norm: both this thread's rows, so no barrier between
     for (int64_t r = r0; r < r1; r++) add_residual(r);
   }
+  if (p.final_norm)  // the model's last norm, in place: this thread's rows again
+    for (int64_t r = r0; r < r1; r++) rms_norm_row(p.x + at(r) * H, H, p.final_norm, p.final_eps, p.x + at(r) * H);
   return failed;
 }
 
@@ -338,7 +342,7 @@ int64_t layout_Pass(int64_t* out, int64_t room) {
       FIELD(S, dim), FIELD(S, cos), FIELD(S, sin), FIELD(S, rope_batch_stride), FIELD(S, keys), FIELD(S, values),
       FIELD(S, half_cache), FIELD(S, cache_batch_stride), FIELD(S, cache_head_stride), FIELD(S, start), FIELD(S, ranges),
       FIELD(S, offsets), FIELD(S, scale), FIELD(S, inverse), FIELD(S, threads), FIELD(S, attention_threads),
-      FIELD(S, live), FIELD(S, n_live)};
+      FIELD(S, live), FIELD(S, n_live), FIELD(S, final_norm), FIELD(S, final_eps)};
   return write_layout(sizeof(S), fields, out, room);
 }
 }
