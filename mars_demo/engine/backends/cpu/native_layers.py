@@ -4,8 +4,8 @@ With the native int8 linear and the row attention, a one-token pass of the bundl
 small CPU spent more time between the kernels than in them: some 25 torch ops a layer (RMSNorm, the
 RoPE, the cache append, SiLU * up, the residuals, views and splits), each paying its dispatch cost
 (docs/bench/history.md, "Native decoder layers"). ``csrc/decoder.cpp`` runs all the layers of a
-pass in one call, the kernels and everything between them, so a pass's Python is the embedding, the
-RoPE tables, the final norm and the head.
+pass in one call, the kernels and everything between them (and the model's final norm), so a pass's
+Python is the embedding, the RoPE tables and the head.
 
 It runs where every layer is int8dyn on the native kernels (fused q/k/v and gate/up linears, fp32
 norms), the attention is row-exact and takes the pass row by row, and the cache is a plain
