@@ -328,6 +328,19 @@ def test_a_wide_ratio_raised_by_a_burst_drifts_back_once_wide_passes_stop():
     assert controller.scale[True] < 1.1 and controller.choose(rows, [9] * 2, 0.9) > 1  # tried again
 
 
+def test_a_one_token_ratio_raised_by_a_burst_stops_keeping_wide_passes_on():
+    steep = Surface.from_cost(lambda r, w: 5.0 + 2.0 * (w - 1) * r, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(steep, 4)
+    rows = [Hits(3) for _ in range(2)]
+    assert controller.choose(rows, [9] * 2, 0.9) == 1  # masks do not pay on this surface
+    for _ in range(30):  # a burst of other load: one-token passes read three times their price
+        controller.passed(2, 1, 3 * steep.ms(2, 1) / 1000)
+    assert controller.choose(rows, [9] * 2, 0.9) > 1
+    for _ in range(WidthController.STALE + 40):  # wide passes at their price: the one-token ratio is not measured
+        controller.passed(2, 3, steep.ms(2, 3) / 1000)
+    assert controller.scale[False] < 1.1 and controller.choose(rows, [9] * 2, 0.9) == 1
+
+
 def test_verifying_and_window_passes_keep_their_own_price_corrections():
     measured = Surface.from_cost(lambda r, w: 5.0 + 0.1 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
     window, verifying = WidthController(measured, 4), WidthController(measured, 4, verifying=True)

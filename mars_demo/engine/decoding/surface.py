@@ -50,6 +50,7 @@ class Surface:
         problem = _grid_problem(self.rows, self.widths, self.grid)
         if problem:
             raise ValueError(f"the cost surface cannot be used: {problem}")
+        self._at: dict[tuple[int, int], float] = {}  # ms at whole (rows, width): priced again every pass
 
     @classmethod
     def from_cost(cls, cost: Callable[[int, int], float], *, rows: Sequence[int] = GRID_ROWS,
@@ -75,10 +76,16 @@ class Surface:
         return {"name": self.name, "simulated": self.simulated, "rows": list(self.rows), "widths": list(self.widths),
                 "ms": [[round(x, 3) for x in line] for line in self.grid]}
 
-    def ms(self, rows: int, width: int) -> float:
+    def ms(self, rows: int, width: float) -> float:
         """Interpolated linearly between grid points; past the grid's end, its last slope (never downwards)."""
+        known = self._at.get((rows, width))
+        if known is not None:
+            return known
         line = [_interpolate(self.widths, costs, width) for costs in self.grid]
-        return _interpolate(self.rows, line, rows)
+        found = _interpolate(self.rows, line, rows)
+        if float(width).is_integer() and float(rows).is_integer():  # the controllers' recurring questions
+            self._at[(rows, width)] = found
+        return found
 
     def summary(self, widths: Sequence[int] = (1, 2, 4)) -> str:
         """One line: ms by width for a few row counts, e.g. "1 row 1:2.3 2:2.4 4:2.6; 8 rows 1:4.1 ..."."""

@@ -88,28 +88,28 @@ class Hits:
             self._relax()
         return self.held[j] / self.tried[j]
 
-    def expected(self, width: int) -> float:
-        """Tokens a pass of ``width`` (the AR token and width - 1 candidates) is expected to commit."""
-        reach, total = 1.0, 1.0
-        for j in range(min(width - 1, len(self.held))):
-            reach *= self.share(j)
-            total += reach
-        return total
+    def reach(self, most: int) -> list[float]:
+        """P(a pass commits at least k tokens), k = 1 .. most, when it offers every candidate it can: a pass of
+        width w is expected to commit the sum of the first w."""
+        out = [1.0]
+        for j in range(min(most - 1, len(self.held))):
+            out.append(out[-1] * self.share(j))
+        return out
 
 
 _POOLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # surface -> {most: {tau: pooled Hits}}
 
 
-def widest_accepted(rows: Sequence[Hits], widths: Sequence[int]) -> float:
-    """Expected tokens accepted by the row that accepts most, each row offered its width's candidates."""
-    total, most = 0.0, max(widths, default=1)
-    reach = [1.0] * len(rows)  # P(row accepts at least k)
-    for k in range(1, most + 1):
-        if k > 1:
-            reach = [r * h.share(k - 2) if k <= w else 0.0 for r, h, w in zip(reach, rows, widths)]
+def widest_accepted(reach: Sequence[list[float]], widths: Sequence[int]) -> float:
+    """Expected tokens accepted by the row that accepts most, each row offered its width's candidates.
+
+    reach: per row, P(at least k tokens) for k = 1, 2, ... (``Hits.reach``), as long as its width at least.
+    """
+    total = 0.0
+    for k in range(1, max(widths, default=1) + 1):
         none = 1.0
-        for r in reach:
-            none *= 1.0 - r
+        for r, w in zip(reach, widths):
+            none *= 1.0 - (r[k - 1] if k <= w else 0.0)
         total += 1.0 - none
     return total
 
@@ -126,16 +126,17 @@ class WidthController:
     running ratio of a pass's measured time to the surface's price, kept apart for one-token and wider
     passes (the host work a real batch adds per column is not all in the surface) and for MARS windows
     and verifying passes (whose 4-D masks and fallback groups add their own), scales the price of every
-    later pass of its kind. A wide ratio is measured only while wide passes are taken, so one that a
-    burst of other load raised could keep them off for good: after STALE one-token passes in a row it
-    drifts back toward the one-token ratio (the surface's own relative prices), and a wide pass is tried
-    again once the surface says it pays. A simulated surface is the clock itself and is taken as it is.
+    later pass of its kind. Each ratio is measured only while its passes are taken, so one that a burst
+    of other load raised could keep them off for good (a wide ratio: wide passes never tried again; a
+    one-token ratio: wide passes taken where they do not pay): after STALE passes in a row of the other
+    kind it drifts toward the measured ratio (the surface's own relative prices), and the surface decides
+    again. A simulated surface is the clock itself and is taken as it is.
     """
 
     ROW_DECAY = 0.95  # a row's own share follows its last tens of passes
     POOLED_DECAY = 0.99  # the batch's, its last hundreds of row passes
     COST_DECAY = 0.9  # the measured / priced ratio follows the last tens of passes
-    STALE = 32  # one-token passes in a row after which the wide ratio, unmeasured since, drifts back
+    STALE = 32  # passes of one kind in a row after which the other kind's ratio, unmeasured since, drifts back
 
     def __init__(self, surface: Surface | None, most: int, *, verifying: bool = False) -> None:
         self.surface, self.most = surface, max(int(most), 1)
@@ -145,7 +146,7 @@ class WidthController:
         self.drafts: Hits | None = None  # verifying passes: the pooled share of drafts held (start_drafts)
         kind = "verify" if verifying else "window"
         self.scale: dict[bool, float] = shared.setdefault(("scale", kind), {False: 1.0, True: 1.0})  # wide? -> ratio
-        self.narrow_run: list[int] = shared.setdefault(("narrow run", kind), [0])  # one-token passes since a wide one
+        self.run: list = shared.setdefault(("run", kind), [False, 0])  # the last pass's kind (wide?), passes of it in a row
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
 
     def new_row(self, tau: float) -> Hits:
@@ -161,16 +162,19 @@ class WidthController:
         if offered:  # the pooled share learns from masks offered; a row's idle pass shows nothing about them
             self.pooled.setdefault(round(tau, 4), Hits(self.most - 1, self.POOLED_DECAY)).observe(offered, extra)
 
-    def rate(self, rows: Sequence[Hits], caps: Sequence[int], width: int, fed: int | None = None) -> float:
-        """Expected committed tokens per ms of passes of ``width`` over these rows (module docstring).
+    def rates(self, rows: Sequence[Hits], caps: Sequence[int], fed: int | None = None) -> dict[int, float]:
+        """Expected committed tokens per ms of passes of each width 1 .. most over these rows (module docstring).
 
         ``fed``: the columns this pass feeds before its masks (a prefill); None: the steady state's.
         """
-        widths = [min(width, cap) for cap in caps]
-        expected = sum(h.expected(w) for h, w in zip(rows, widths))
-        before = widest_accepted(rows, widths) if fed is None else fed
-        columns = before - 1 + width
-        return expected / (self.surface.ms(len(rows), columns) * self.scale[columns > 1])
+        reach = [h.reach(self.most) for h in rows]  # each row's acceptance read once for every width
+        out = {}
+        for width in range(1, self.most + 1):
+            widths = [min(width, cap) for cap in caps]
+            expected = sum(sum(r[: max(w, 1)]) for r, w in zip(reach, widths))
+            columns = (widest_accepted(reach, widths) if fed is None else fed) - 1 + width
+            out[width] = expected / (self.surface.ms(len(rows), columns) * self.scale[columns > 1])
+        return out
 
     def passed(self, rows: int, columns: int, seconds: float) -> None:
         """A pass over ``rows`` rows fed ``columns`` columns and took ``seconds``: correct the prices."""
@@ -179,9 +183,9 @@ class WidthController:
         ratio = seconds * 1000 / self.surface.ms(rows, columns)
         wide, decay = columns > 1, self.COST_DECAY
         self.scale[wide] = decay * self.scale[wide] + (1 - decay) * min(max(ratio, 0.25), 4.0)
-        self.narrow_run[0] = 0 if wide else self.narrow_run[0] + 1
-        if self.narrow_run[0] > self.STALE:  # the wide ratio, unmeasured for a while, drifts back (class docstring)
-            self.scale[True] = decay * self.scale[True] + (1 - decay) * self.scale[False]
+        self.run[:] = [wide, self.run[1] + 1 if self.run[0] == wide else 1]
+        if self.run[1] > self.STALE:  # the other kind's ratio, unmeasured for a while, drifts back (class docstring)
+            self.scale[not wide] = decay * self.scale[not wide] + (1 - decay) * self.scale[wide]
 
     def start_drafts(self, depth: int) -> tuple[list[float], list[float]]:
         """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the
@@ -196,13 +200,13 @@ class WidthController:
             self.drafts.observe(drafted, held)
 
     def choose(self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None) -> int:
-        """The width of the next pass (``fed`` as in ``rate``): 1 at tau = 1.0, else the best rate."""
+        """The width of the next pass (``fed`` as in ``rates``): 1 at tau = 1.0, else the best rate."""
         if tau >= 1.0 or not rows:
             self.last = (1, 1.0)
         elif self.surface is None:
             self.last = (self.most, math.inf)
         else:
-            rates = {w: self.rate(rows, caps, w, fed) for w in range(1, self.most + 1)}
+            rates = self.rates(rows, caps, fed)
             best = max(rates, key=lambda w: (rates[w], -w))
             best = best if rates[best] >= (GAIN if len(rows) > 1 else 1.0) * rates[1] else 1
             self.last = (best, rates[best] / rates[1])
@@ -220,7 +224,8 @@ class WidthController:
         hits = self.pooled.get(round(tau, 4)) or Hits(self.most - 1)
         every = [hits] * rows
         caps = [self.most] * rows
-        gain = max(self.rate(every, caps, w) for w in range(1, self.most + 1)) / self.rate(every, caps, 1)
+        rates = self.rates(every, caps)
+        gain = max(rates.values()) / rates[1]
         return gain if gain >= GAIN else 1.0
 
     def why(self) -> str:
