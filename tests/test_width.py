@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import time
 from types import SimpleNamespace
 
@@ -22,9 +23,9 @@ import torch
 from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_batch
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
+from mars_demo.engine.decoding.exact import DraftDepth
 from mars_demo.engine.decoding.loop import LiveTau, eos_ids
 from mars_demo.engine.decoding.surface import Surface, affordable_rate, cached_surface, measure
-from mars_demo.engine.decoding.exact import DraftDepth
 from mars_demo.engine.decoding.width import Hits, WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import Load, parse_policy
@@ -194,10 +195,12 @@ def test_verifying_passes_at_tau_1_with_the_controller_are_greedy_ar(tiny_lm, su
     out, events = _batch(tiny_lm, ids, 1.0, surface=surface, verifying=True)
     assert out == ar
     widths = {s.width for e in events[1:] for s in e.rows if s.width}
-    if surface is FREE:
+    prefill = {s.width for s in events[0].rows}
+    if surface.name == "free":
         assert max(widths) == 1 + 2 * 3  # full depth: the AR token, three drafts, three masks
-    if surface is LINEAR:
-        assert widths == {1}  # no draft pays: plain AR passes
+        assert prefill == {1 + 3}  # the prompt's last token and a group of masks: the first drafts
+    if surface.name == "linear":
+        assert widths == {1} and prefill == {1}  # no draft pays: plain AR passes, and no masks to draft them
 
 
 def test_exact_rows_under_the_controller_each_equal_decoding_alone(tiny_lm):
@@ -339,6 +342,49 @@ def test_a_one_token_ratio_raised_by_a_burst_stops_keeping_wide_passes_on():
     for _ in range(WidthController.STALE + 40):  # wide passes at their price: the one-token ratio is not measured
         controller.passed(2, 3, steep.ms(2, 3) / 1000)
     assert controller.scale[False] < 1.1 and controller.choose(rows, [9] * 2, 0.9) == 1
+
+
+def test_masks_beside_a_prompt_are_fed_where_their_tokens_are_worth_what_they_add():
+    steep = Surface.from_cost(lambda r, w: 5.0 + 0.5 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+
+    def rows_holding(share):
+        controller = WidthController(copy.copy(steep), 4)
+        rows = [controller.new_row(0.9) for _ in range(8)]
+        for _ in range(400):
+            for row in rows:
+                controller.observe(row, 0.9, 3, int(random.random() < share) * 3)
+        return controller, rows
+
+    random.seed(0)
+    controller, rows = rows_holding(0.2)  # a fifth of masks hold: each costs 4 ms a column for ~1.6 tokens worth 1.1
+    assert controller.choose(rows, [9] * 8, 0.9, fed=60) == 1
+    # (priced as a pass's rate, a column beside 60 costs 1.6%: the prefill used to feed every mask here)
+    controller, rows = rows_holding(0.9)  # nine in ten hold: the masks bring more than they add
+    assert controller.choose(rows, [9] * 8, 0.9, fed=60) > 1 and controller.last[1] > 1.0
+
+
+def test_a_width_1_choice_nothing_came_near_stands_until_a_row_shows_something():
+    dear = Surface.from_cost(lambda r, w: 5.0 + (w - 1) * r, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(dear, 4)  # one mask in two does not pay here; every mask held does
+    read = []
+
+    class Counted(Hits):
+        def reach(self, most):
+            read.append(self)
+            return super().reach(most)
+
+    rows = [Counted(3, 0.95) for _ in range(2)]
+    assert controller.choose(rows, [9] * 2, 0.9) == 1 and len(read) == 2  # each row read once
+    for _ in range(WidthController.RECHECK - 1):  # AR passes: the rows are not read again
+        for row in rows:
+            row.observe(0, 0)
+        assert controller.choose(rows, [9] * 2, 0.9) == 1
+    assert len(read) == 2
+    assert controller.choose(rows, [9] * 2, 0.7) == 1 and len(read) == 4  # another tau: chosen again
+    for _ in range(60):  # the rows' masks start to hold: the next choice reads them at once
+        for row in rows:
+            row.observe(3, 3)
+    assert controller.choose(rows, [9] * 2, 0.9) > 1
 
 
 def test_verifying_and_window_passes_keep_their_own_price_corrections():

@@ -15,8 +15,10 @@ is chosen whenever no mask pays. n_w is what a pass feeds before its masks: the 
 the pass before by the row that accepted most (the pass is a rectangle), which in the steady
 state of width w is E[max_r accepted_r] = sum_k (1 - prod_r (1 - P_r(at least k))): every token
 committed is fed once more, so a wide pass also widens the next one, and the more rows, the
-likelier one of them widens it. In the prefill n is the longest prompt, beside which masks
-cost next to nothing. In a batch a wider pass must promise GAIN over width 1 (the surface is a
+likelier one of them widens it. A prefill's masks are a one-off, not a steady state: each is fed
+where the tokens it is expected to commit are worth more, at the ms a token will cost once
+decoding, than the ms it adds beside the longest prompt (``prefill``). In a batch a wider pass
+must promise GAIN over width 1 (the surface is a
 model); the controller corrects the surface's prices by the passes it sees (``passed``).
 The width changes how many candidates a pass can accept, never which token a candidate is,
 so exact mode stays greedy AR's text at any width.
@@ -61,12 +63,14 @@ class Hits:
         self.start = start or ([self.PRIOR[0]] * depth, [self.PRIOR[1]] * depth)
         self.held, self.tried = list(self.start[0]), list(self.start[1])
         self.idle = 0  # passes that offered nothing, not yet applied (a pass of plain AR costs no host work here)
+        self.seen = 0  # passes that offered something: a controller's memo of its last choice reads it
 
     def observe(self, offered: int, extra: int) -> None:
         """A pass offered ``offered`` candidates past the AR token and the first ``extra`` of them held."""
         if offered < 1:
             self.idle += 1
             return
+        self.seen += 1
         self._relax()
         if self.decay < 1:
             self.held = [h * self.decay for h in self.held]
@@ -137,6 +141,7 @@ class WidthController:
     POOLED_DECAY = 0.99  # the batch's, its last hundreds of row passes
     COST_DECAY = 0.9  # the measured / priced ratio follows the last tens of passes
     STALE = 32  # passes of one kind in a row after which the other kind's ratio, unmeasured since, drifts back
+    RECHECK = 8  # idle passes of a row after which a choice of width 1 that nothing came near is made again
 
     def __init__(self, surface: Surface | None, most: int, *, verifying: bool = False) -> None:
         self.surface, self.most = surface, max(int(most), 1)
@@ -146,8 +151,9 @@ class WidthController:
         self.drafts: Hits | None = None  # verifying passes: the pooled share of drafts held (start_drafts)
         kind = "verify" if verifying else "window"
         self.scale: dict[bool, float] = shared.setdefault(("scale", kind), {False: 1.0, True: 1.0})  # wide? -> ratio
-        self.run: list = shared.setdefault(("run", kind), [False, 0])  # the last pass's kind (wide?), passes of it in a row
+        self.run: list = shared.setdefault(("run", kind), [False, 0])  # the last pass's kind (wide?), and its run
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
+        self.settled: tuple | None = None  # what the last width-1 choice that no width came near was made on
 
     def new_row(self, tau: float) -> Hits:
         """A row's acceptance, started from (and relaxing back to) what the batch's rows have shown at this tau."""
@@ -165,7 +171,7 @@ class WidthController:
     def rates(self, rows: Sequence[Hits], caps: Sequence[int], fed: int | None = None) -> dict[int, float]:
         """Expected committed tokens per ms of passes of each width 1 .. most over these rows (module docstring).
 
-        ``fed``: the columns this pass feeds before its masks (a prefill); None: the steady state's.
+        ``fed``: the columns a pass feeds before its masks; None: the steady state's.
         """
         reach = [h.reach(self.most) for h in rows]  # each row's acceptance read once for every width
         out = {}
@@ -200,17 +206,53 @@ class WidthController:
             self.drafts.observe(drafted, held)
 
     def choose(self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None) -> int:
-        """The width of the next pass (``fed`` as in ``rates``): 1 at tau = 1.0, else the best rate."""
+        """The width of the next pass: 1 at tau = 1.0, else the best rate; in a prefill (``fed``: the longest
+        prompt) the masks that are worth more than they add (``prefill``).
+
+        Where width 1 won and no width came near it, the choice stands for the next passes over the same rows at
+        the same tau until a row has shown something, a row has idled RECHECK passes (its share has relaxed
+        since) or the wide / one-token price ratio (``passed``) has moved by a tenth: reading every row's
+        acceptance every pass is host work that a plain AR pass otherwise does not pay (~60 us of a 5 ms pass at
+        8 rows on a 2-core CPU).
+        """
         if tau >= 1.0 or not rows:
             self.last = (1, 1.0)
         elif self.surface is None:
             self.last = (self.most, math.inf)
-        else:
-            rates = self.rates(rows, caps, fed)
+        elif fed is not None:
+            self.last = self.prefill(rows, caps, fed)
+        elif not self._settled(rows, tau):
+            rates = self.rates(rows, caps)
             best = max(rates, key=lambda w: (rates[w], -w))
             best = best if rates[best] >= (GAIN if len(rows) > 1 else 1.0) * rates[1] else 1
             self.last = (best, rates[best] / rates[1])
+            near = max((rates[w] for w in rates if w > 1), default=0.0) >= rates[1]
+            self.settled = None if best > 1 or near else self._standing(rows, tau)
         return self.last[0]
+
+    def _standing(self, rows: Sequence[Hits], tau: float) -> tuple:
+        """What a width-1 choice is made on (``choose``): the rows, tau, what the rows showed, the price ratio."""
+        return len(rows), tau, sum(h.seen for h in rows), round(math.log(self.scale[True] / self.scale[False]), 1)
+
+    def _settled(self, rows: Sequence[Hits], tau: float) -> bool:
+        """Whether the last width-1 choice stands for these rows (``choose``)."""
+        return self.settled == self._standing(rows, tau) and all(h.idle < self.RECHECK for h in rows)
+
+    def prefill(self, rows: Sequence[Hits], caps: Sequence[int], fed: int) -> tuple[int, float]:
+        """(width, gain) of a prefill of ``fed`` columns: its masks are a one-off, each worth the tokens it is
+        expected to commit at what a token will cost once decoding (the best steady rate's ms a token), against
+        the ms they add to the prefill. Priced as a pass's rate instead, masks beside a long prompt always looked
+        free, and at 8 rows on a 2-core CPU they cost more than the tokens they brought."""
+        per_token = 1.0 / max(self.rates(rows, caps).values())
+        reach = [h.reach(self.most) for h in rows]
+        base = self.surface.ms(len(rows), fed) * self.scale[fed > 1]
+        best, value = 1, 0.0
+        for width in range(2, self.most + 1):
+            tokens = sum(sum(r[1 : min(width, cap)]) for r, cap in zip(reach, caps))  # beyond each row's first
+            added = self.surface.ms(len(rows), fed - 1 + width) * self.scale[True] - base
+            if tokens * per_token - added > value:
+                best, value = width, tokens * per_token - added
+        return best, 1.0 + value / base
 
     def gain(self, rows: int, tau: float) -> float:
         """How much faster than width 1 the best width is expected to be at ``rows`` rows and ``tau``.
@@ -246,7 +288,7 @@ class OneRow:
 
     def choose(self, tau: float, room: int, pending: int, produced: int) -> int | None:
         """The next MARS pass's width (None at tau 1.0: an AR pass); ``pending`` is the prompt's length in the
-        prefill (nothing ``produced`` yet), where masks are priced beside it."""
+        prefill (nothing ``produced`` yet), whose masks are priced as a one-off (``WidthController.prefill``)."""
         if tau >= 1.0:
             return None
         self.hits = self.hits or self.controller.new_row(tau)

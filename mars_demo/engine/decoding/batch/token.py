@@ -148,8 +148,8 @@ class TokenBatch:
     (serving/loop.py) admits and releases rows between passes with these, token_passes only steps.
 
     Each pass's width comes from ``controller`` (width.py): from 1 (an AR pass) to B for "mars", and
-    the number of drafts and masks per group (0 to B - 1) for verifying passes; in the prefill the
-    masks are priced beside the prompt, where they cost next to nothing.
+    the number of drafts and masks per group (0 to B - 1) for verifying passes; a prefill's masks are
+    priced as a one-off (``WidthController.prefill``).
     """
 
     def __init__(
@@ -212,9 +212,13 @@ class TokenBatch:
         return steps, fed
 
     def _depth(self) -> int:
-        """Drafts (and masks per group) of the next verifying pass: by expected tokens per ms at this many rows."""
+        """Drafts (and masks per group) of the next verifying pass: by expected tokens per ms at this many rows.
+
+        The prefill feeds a full group of masks, the first drafts, where drafting pays at this many rows, and
+        none where it does not (they would draft for passes that verify nothing).
+        """
         surface, most = self.controller.surface, self.B - 1
-        if surface is None or not self.passes:
+        if surface is None:
             return most
         rows = len(self.active)
         scale = self.controller.scale  # the surface's prices against the passes seen (WidthController.passed)
@@ -222,6 +226,8 @@ class TokenBatch:
         depth, _ = self.depths.layout(fallbacks=(True,))
         gain = self.depths.rate(depth, True) / self.depths.rate(0, True)
         depth = depth if gain >= GAIN else 0  # as the MARS width: a layout priced within a few percent may not pay
+        if not self.passes:
+            return most if depth else 0
         self.controller.last = (1 + depth, gain if depth else 1.0)
         return depth
 
