@@ -100,6 +100,43 @@ def test_a_rows_output_does_not_depend_on_the_rows_fed_beside_it(arch, monkeypat
         assert torch.equal(backend.forward(prompt, None, keep=0), a)
 
 
+def test_a_64_dim_key_groups_passes_agree_across_rows_and_instruction_sets(tmp_path, monkeypatch):
+    """Heads of 64 dims in groups of three over an fp16 cache: AVX-512 scores a group's heads together (each key
+    converted once), AVX2 one head at a time; a row's bits are the same either way and alone or among others."""
+    import ctypes
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mars_demo.engine.backends.cpu import native
+    from mars_demo.engine.checkpoints.loading import LoadedModel
+
+    if not native_layers.half_cache():
+        pytest.skip("this build keeps an fp32 cache")
+    tiny = make_lm("llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tiny.tokenizer), hidden_size=384, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=6, num_key_value_heads=2, initializer_range=0.3, tie_word_embeddings=False)
+    lm = LoadedModel(model=LlamaForCausalLM(config).eval(), tokenizer=tiny.tokenizer, meta=tiny.meta, name="tiny-64")
+    convert(lm.model, "int8dyn", smoothing=token_ids(lm.tokenizer, PROMPTS))
+    layers = lm.backend.lean.native
+    assert layers is not None and layers.dim == 64 and layers.heads // layers.kv_heads == 3
+    default = cached_passes(lm)
+    assert default[-1].dtype == torch.float16
+    prompt = torch.tensor([lm.tokenizer(" ".join(PROMPTS)).input_ids])
+    with torch.inference_mode():  # four rows at once against one at a time, after the same prefill
+        wide, narrow = lm.backend.new_cache(), lm.backend.new_cache()
+        lm.backend.forward(prompt, wide), lm.backend.forward(prompt, narrow)
+        fed = torch.tensor([[5, 6, 7, 8]])
+        together = lm.backend.forward(fed, wide, keep=0)
+        assert torch.equal(together, torch.cat([lm.backend.forward(fed[:, i : i + 1], narrow) for i in range(4)], 1))
+    monkeypatch.setattr(native, "TUNE", ("-march=native", "-mno-avx512f"))
+    built = native.build("decoder", native.compiler(), tmp_path)
+    avx2 = ctypes.CDLL(str(built)).decoder
+    avx2.argtypes, avx2.restype = layers.function.argtypes, ctypes.c_int
+    layers.function = avx2
+    assert all(torch.equal(a, b) for a, b in zip(cached_passes(lm), default, strict=True))
+
+
 def test_the_thread_count_changes_no_bits(monkeypatch):
     """Every step splits its work over the team, each row, column or (row, head) whole on one thread."""
     lm = int8dyn("qwen2", True, monkeypatch)
