@@ -74,6 +74,9 @@ class Backend(ABC):
     # Whether a padded column costs a pass as much as a real one (a CPU's compute-bound prefill): a batch's
     # first pass then feeds its rows one by one, without their left padding (decoding/batch/rows.py).
     padding_costs = False
+    # Whether a prepared 4-D mask may be given as booleans (True = attend): the batch decoders then skip
+    # building additive floats that the backend would only read back (transformers' eager attention adds them).
+    bool_masks = False
 
     @property
     def config(self):

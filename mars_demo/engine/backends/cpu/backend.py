@@ -38,6 +38,7 @@ class CpuBackend(Backend):
             raise ValueError(f"the CPU engine cannot run this model: {why}")
         self.model, self.compute = model, compute
         self.lean = LeanForward(model, attention_for(model))
+        self.bool_masks = self.lean.attention != "eager"  # the row-exact kernels and SDPA read booleans
         self.bf16 = path_of(model) == "bf16"  # its linears feed a decode pass's rows one at a time (quant.py)
 
     @property

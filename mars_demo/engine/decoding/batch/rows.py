@@ -93,10 +93,13 @@ class PaddedCache:
         # (rows, width, C + width)
         allowed = torch.cat([self.attn.bool()[:, None, :].expand(rows, width, -1), block], dim=2)
         self.attn = torch.cat([self.attn, present], dim=1)
-        return self.backend.forward(ids, self.cache, positions=positions, mask=self._additive(allowed), keep=keep)
+        return self.backend.forward(ids, self.cache, positions=positions, mask=self._prepared(allowed), keep=keep)
 
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """(rows, 1, q, k): 0 where ``allowed`` (rows, q, k), the dtype's minimum elsewhere."""
+    def _prepared(self, allowed: torch.Tensor) -> torch.Tensor:
+        """(rows, 1, q, k) from ``allowed`` (rows, q, k): the booleans where the backend reads them (``bool_masks``),
+        else 0 where allowed and the dtype's minimum elsewhere."""
+        if self.backend.bool_masks:
+            return allowed[:, None]
         dtype = self.backend.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
@@ -120,7 +123,7 @@ class PaddedCache:
             holes = min(int(attn[r].argmax()), width - keep)  # never into the kept columns
             mask = attn[r : r + 1, holes:]
             if block is not None:
-                mask = self._additive(block[r : r + 1, holes:, holes:])
+                mask = self._prepared(block[r : r + 1, holes:, holes:])
             elif bool(mask.all()):
                 mask = None
             cache = self.backend.new_cache()
