@@ -92,6 +92,32 @@ def test_every_row_of_a_batch_equals_that_row_alone(on_path, mode):
         assert row == alone.token_ids
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_verifying_batches_hand_the_cpu_engine_the_masks_its_attention_reads(attention):
+    """Booleans where the attention reads them, additive floats for transformers' eager attention (which adds
+    them): either way a verifying batch's rows are each row alone."""
+    lm = make_lm("llama")
+    lm.model.config._attn_implementation = attention
+    backend = CpuBackend(lm.model)
+    assert backend.lean.attention == attention and backend.bool_masks == (attention != "eager")
+    config = DecodeConfig(mode="exact", max_new_tokens=12, max_fed=None)
+    ids, forward, kinds = _ids(lm), backend.forward, set()
+
+    def forward_seen(*args, mask=None, **kwargs):
+        if mask is not None and mask.dim() == 4:
+            kinds.add(mask.dtype)
+        return forward(*args, mask=mask, **kwargs)
+
+    backend.forward = forward_seen
+    batch = collect_batch(stream_batch(backend, lm.tokenizer, ids, config, mask_id=lm.meta.mask_token_id,
+                                       block_size=4, scheme="token"))
+    assert kinds == ({torch.bool} if backend.bool_masks else {torch.float32})
+    backend.forward = forward
+    for row, prompt in zip(batch.token_ids, ids):
+        alone = collect(stream(backend, lm.tokenizer, prompt, config, mask_id=lm.meta.mask_token_id, block_size=4))
+        assert row == alone.token_ids
+
+
 def test_rows_leave_in_place_and_the_others_keep_their_columns():
     cache = CpuCache(2)
     keys = torch.randn(5, 2, 6, 3)
