@@ -1,0 +1,61 @@
+"""Batched decoders against batched AR in one process, in turns: the steadiest ratio this project's VMs give.
+
+Each turn decodes every prompt in static batches of ``--batch`` rows once with every method, the order
+reversed every other turn, and each method's ratio to the first (batched AR) is taken within the turn;
+the median over turns is printed. ``bench`` runs each batch size's methods group by group, so a ratio
+there can read 5-10% apart between runs of the same code as the VM's phase moves (BENCHMARKS.md,
+"Many requests at once"); here the methods share each phase.
+
+    PYTHONPATH=. python scripts/batch_turns.py --batch 8 --methods ar,mars:0.9,exact --turns 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from mars_demo.engine.checkpoints.loading import load_model
+from mars_demo.engine.decoding.batch import stream_batch_ids
+from mars_demo.engine.decoding.chat import prompt_ids
+from mars_demo.engine.decoding.config import DecodeConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default="assets/data/heldout_chunk20_16.json")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--methods", default="ar,mars:0.7,mars:0.9,mars:0.95,exact",
+                        help="mode[:tau], the first the reference")
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", default="int8dyn")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model(None, precision=args.precision)
+    with open(args.prompts) as f:
+        prompts = [prompt_ids(lm.tokenizer, text) for text in json.load(f)]
+    methods = args.methods.split(",")
+    seconds: dict[str, list[float]] = {m: [] for m in methods}
+    for turn in range(args.turns):
+        for method in methods if turn % 2 == 0 else methods[::-1]:
+            mode, tau = (method.split(":") + ["1.0"])[:2]
+            config = DecodeConfig(mode=mode, tau=float(tau), max_new_tokens=args.max_new_tokens)
+            started = time.perf_counter()
+            for i in range(0, len(prompts), args.batch):
+                for _ in stream_batch_ids(lm, prompts[i : i + args.batch], config, scheme="token"):
+                    pass
+            seconds[method].append(time.perf_counter() - started)
+    reference = seconds[methods[0]]
+    for method in methods:
+        ratios = [r / s for r, s in zip(reference, seconds[method])]
+        print(f"{method:12s} {statistics.median(seconds[method]):7.3f} s a turn, {statistics.median(ratios):.3f}x "
+              f"{methods[0]} (turns: {' '.join(f'{r:.3f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
