@@ -118,6 +118,12 @@ def widest_accepted(reach: Sequence[list[float]], widths: Sequence[int]) -> floa
     return total
 
 
+def _start_from(pooled: Hits, depth: int) -> tuple[list[float], list[float]]:
+    """Pseudo-counts (held, tried) for ``depth`` depths at ``pooled``'s shares, weighted as the prior is."""
+    tried = [Hits.PRIOR[1]] * depth
+    return [t * pooled.share(j) for j, t in enumerate(tried)], tried
+
+
 class WidthController:
     """Chooses each pass's width (module docstring) and keeps what it chose and why.
 
@@ -158,28 +164,26 @@ class WidthController:
     def new_row(self, tau: float) -> Hits:
         """A row's acceptance, started from (and relaxing back to) what the batch's rows have shown at this tau."""
         pooled, depth = self.pooled.get(round(tau, 4)), self.most - 1
-        if pooled is None:
-            return Hits(depth, self.ROW_DECAY)
-        tried = [Hits.PRIOR[1]] * depth
-        return Hits(depth, self.ROW_DECAY, ([t * pooled.share(j) for j, t in enumerate(tried)], tried))
+        return Hits(depth, self.ROW_DECAY, None if pooled is None else _start_from(pooled, depth))
 
     def observe(self, row: Hits, tau: float, offered: int, extra: int) -> None:
         row.observe(offered, extra)
         if offered:  # the pooled share learns from masks offered; a row's idle pass shows nothing about them
             self.pooled.setdefault(round(tau, 4), Hits(self.most - 1, self.POOLED_DECAY)).observe(offered, extra)
 
-    def rates(self, rows: Sequence[Hits], caps: Sequence[int], fed: int | None = None) -> dict[int, float]:
-        """Expected committed tokens per ms of passes of each width 1 .. most over these rows (module docstring).
+    def rates(self, rows: Sequence[Hits], caps: Sequence[int]) -> dict[int, float]:
+        """Expected committed tokens per ms of steady passes of each width 1 .. most over these rows (module
+        docstring)."""
+        return self._rates([h.reach(self.most) for h in rows], caps)
 
-        ``fed``: the columns a pass feeds before its masks; None: the steady state's.
-        """
-        reach = [h.reach(self.most) for h in rows]  # each row's acceptance read once for every width
+    def _rates(self, reach: Sequence[list[float]], caps: Sequence[int]) -> dict[int, float]:
+        """``rates`` from the rows' acceptance (``Hits.reach``), read once for every width."""
         out = {}
         for width in range(1, self.most + 1):
             widths = [min(width, cap) for cap in caps]
             expected = sum(sum(r[: max(w, 1)]) for r, w in zip(reach, widths))
-            columns = (widest_accepted(reach, widths) if fed is None else fed) - 1 + width
-            out[width] = expected / (self.surface.ms(len(rows), columns) * self.scale[columns > 1])
+            columns = widest_accepted(reach, widths) - 1 + width
+            out[width] = expected / (self.surface.ms(len(reach), columns) * self.scale[columns > 1])
         return out
 
     def passed(self, rows: int, columns: int, seconds: float) -> None:
@@ -197,8 +201,7 @@ class WidthController:
         """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the
         share of drafts held that earlier batches on this surface showed, weighted as the prior is."""
         self.drafts = self.shared.setdefault(("drafts", depth), Hits(depth, self.POOLED_DECAY))
-        tried = [Hits.PRIOR[1]] * depth
-        return [t * self.drafts.share(j) for j, t in enumerate(tried)], tried
+        return _start_from(self.drafts, depth)
 
     def observe_drafts(self, drafted: int, held: int) -> None:
         """A row's verifying pass checked ``drafted`` drafts and kept the first ``held``: the pooled share."""
@@ -243,8 +246,8 @@ class WidthController:
         expected to commit at what a token will cost once decoding (the best steady rate's ms a token), against
         the ms they add to the prefill. Priced as a pass's rate instead, masks beside a long prompt always looked
         free, and at 8 rows on a 2-core CPU they cost more than the tokens they brought."""
-        per_token = 1.0 / max(self.rates(rows, caps).values())
         reach = [h.reach(self.most) for h in rows]
+        per_token = 1.0 / max(self._rates(reach, caps).values())
         base = self.surface.ms(len(rows), fed) * self.scale[fed > 1]
         best, value = 1, 0.0
         for width in range(2, self.most + 1):

@@ -158,6 +158,8 @@ class LeanForward:
         # all layers in one native call where they are int8dyn's on the native kernels (native_layers.py)
         self.native = NativeLayers.build(self.layers)
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        # the last norm in the native call too, where the native layers take its weight
+        self.final = (self.norm, self.norm_eps) if self.native and self.native.final_weight(self.norm) else None
         self.rope_table = None  # (cos, sin with its first half negated) by position
         self.head = _gemm(model.lm_head)
         self.vocab = getattr(model.lm_head, "out_features", None) or model.config.vocab_size
@@ -178,10 +180,9 @@ class LeanForward:
             mask = self._visible(x, mask, past)
         elif mask is None or mask.dim() == 2:
             mask = self._mask(x, mask, past)
-        if native:  # the last norm too, where the native layers take its weight
-            final = (self.norm, self.norm_eps) if self.native.final_weight(self.norm) else None
-            x = self._native_pass(cache, x, *self._rope(x, positions), mask, final)
-            if final is None:
+        if native:
+            x = self._native_pass(cache, x, *self._rope(x, positions), mask, self.final)
+            if self.final is None:
                 x = _norm(x, self.norm, self.norm_eps)
         else:
             cos, sin = self.rotary(x, position_ids=positions)  # (batch, n, head_dim)

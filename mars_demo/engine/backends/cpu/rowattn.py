@@ -70,17 +70,18 @@ class Visible:
             allowed = allowed_keys(attention_mask, batch, q_len, kv_len)
         # numpy: a pass's mask is small, and a dozen torch ops on it cost more than the attention they steer
         batch, q_len, keys = allowed.shape
-        flat = np.zeros((batch * q_len, keys + 2), dtype=np.int8)
-        flat[:, 1:-1] = allowed.reshape(batch * q_len, keys).cpu().numpy()
-        edges = np.diff(flat, axis=1)  # +1 where a run starts, -1 after it ends
-        row, start = np.nonzero(edges == 1)  # row-major: starts and ends pair up in order
-        _, end = np.nonzero(edges == -1)
+        row, start, end = _runs(allowed.reshape(batch * q_len, keys).cpu().numpy())
+        own = allowed.cpu().numpy()[:, np.arange(q_len), np.arange(keys - q_len, keys)].reshape(-1)
+        self._set(row, start, end, batch * q_len, own)
+
+    def _set(self, row: np.ndarray, start: np.ndarray, end: np.ndarray, rows: int, own: np.ndarray) -> None:
+        """ranges, offsets, work and live from the visible runs (row, [start, end)) in row order and from whether each
+        of the ``rows`` rows sees its own column (``own``)."""
         self.ranges = torch.from_numpy(np.stack([start, end], axis=1).astype(np.int64))
-        offsets = np.zeros(batch * q_len + 1, dtype=np.int64)
-        np.cumsum(np.bincount(row, minlength=batch * q_len), out=offsets[1:])
+        offsets = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(np.bincount(row, minlength=rows), out=offsets[1:])
         self.offsets = torch.from_numpy(offsets)
         self.work = int((end - start).sum())  # visible (row, key) pairs
-        own = flat[:, 1:-1].reshape(batch, q_len, keys)[:, np.arange(q_len), np.arange(keys - q_len, keys)]
         self.live = None if own.all() else torch.from_numpy(np.flatnonzero(own).astype(np.int64))
 
     @classmethod
@@ -93,29 +94,27 @@ class Visible:
         """
         pad = padding.bool().cpu().numpy()
         batch, keys = pad.shape
-        flat = np.zeros((batch, keys + 2), dtype=np.int8)
-        flat[:, 1:-1] = pad
-        edges = np.diff(flat, axis=1)
-        sequence, start = np.nonzero(edges == 1)  # row-major: starts and ends pair up in order
-        _, end = np.nonzero(edges == -1)
+        row, start, end = _runs(pad)
         if q_len > 1:  # each run once for each row of its sequence, in row order, cut at the row's own column
-            row = np.repeat(sequence * q_len, q_len) + np.tile(np.arange(q_len), len(start))
+            row = np.repeat(row * q_len, q_len) + np.tile(np.arange(q_len), len(start))
             order = np.argsort(row, kind="stable")
             row, start, end = row[order], np.repeat(start, q_len)[order], np.repeat(end, q_len)[order]
             end = np.minimum(end, keys - q_len + row % q_len + 1)
             kept = start < end
             row, start, end = row[kept], start[kept], end[kept]
-        else:
-            row = sequence
         visible = cls.__new__(cls)
-        visible.ranges = torch.from_numpy(np.stack([start, end], axis=1).astype(np.int64))
-        offsets = np.zeros(batch * q_len + 1, dtype=np.int64)
-        np.cumsum(np.bincount(row, minlength=batch * q_len), out=offsets[1:])
-        visible.offsets = torch.from_numpy(offsets)
-        visible.work = int((end - start).sum())
-        own = pad[:, keys - q_len :].reshape(-1)  # each row's own column
-        visible.live = None if own.all() else torch.from_numpy(np.flatnonzero(own).astype(np.int64))
+        visible._set(row, start, end, batch * q_len, pad[:, keys - q_len :].reshape(-1))
         return visible
+
+
+def _runs(allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of True in each row of ``allowed`` (rows, keys) bool: (row, start, end) arrays in row order."""
+    flat = np.zeros((allowed.shape[0], allowed.shape[1] + 2), dtype=np.int8)
+    flat[:, 1:-1] = allowed
+    edges = np.diff(flat, axis=1)  # +1 where a run starts, -1 after it ends
+    row, start = np.nonzero(edges == 1)  # row-major: starts and ends pair up in order
+    _, end = np.nonzero(edges == -1)
+    return row, start, end
 
 
 def threads(visible: Visible | None, batch: int, rows: int, keys: int, heads: int) -> int:
