@@ -26,7 +26,7 @@ from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.exact import DraftDepth
 from mars_demo.engine.decoding.loop import LiveTau, eos_ids
 from mars_demo.engine.decoding.surface import Surface, affordable_rate, cached_surface, measure
-from mars_demo.engine.decoding.width import Hits, WidthController
+from mars_demo.engine.decoding.width import Hits, Prices, WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import Load, parse_policy
 
@@ -309,10 +309,10 @@ def test_the_controller_corrects_a_measured_surface_by_the_passes_it_sees():
     for _ in range(60):  # but wide passes take three times their price here, one-token passes their price
         controller.passed(4, 3, 3 * flat.ms(4, 3) / 1000)
         controller.passed(4, 1, flat.ms(4, 1) / 1000)
-    assert controller.scale[True] == pytest.approx(3.0, rel=0.01) and controller.choose(rows, [9] * 4, 0.9) == 1
+    assert controller.prices.of(4)[True] == pytest.approx(3.0, rel=0.01) and controller.choose(rows, [9] * 4, 0.9) == 1
     simulated = WidthController(FREE, 4)  # a cost model's surface is the clock itself: never corrected
     simulated.passed(4, 3, 1.0)
-    assert simulated.scale[True] == 1.0
+    assert simulated.prices.of(4)[True] == 1.0
 
 
 def test_a_wide_ratio_raised_by_a_burst_drifts_back_once_wide_passes_stop():
@@ -323,12 +323,12 @@ def test_a_wide_ratio_raised_by_a_burst_drifts_back_once_wide_passes_stop():
     for _ in range(30):  # a burst of other load: wide passes read three times their price
         controller.passed(2, 3, 3 * gentle.ms(2, 3) / 1000)
     assert controller.choose(rows, [9] * 2, 0.9) == 1
-    for _ in range(WidthController.STALE):  # one-token passes at their price: the wide ratio is not measured
+    for _ in range(Prices.STALE):  # one-token passes at their price: the wide ratio is not measured
         controller.passed(2, 1, gentle.ms(2, 1) / 1000)
-    assert controller.scale[True] == pytest.approx(3.0, rel=0.05)  # not yet: a short run of AR passes says nothing
+    assert controller.prices.of(2)[True] == pytest.approx(3.0, rel=0.05)  # not yet: a short run says nothing
     for _ in range(40):
         controller.passed(2, 1, gentle.ms(2, 1) / 1000)
-    assert controller.scale[True] < 1.1 and controller.choose(rows, [9] * 2, 0.9) > 1  # tried again
+    assert controller.prices.of(2)[True] < 1.1 and controller.choose(rows, [9] * 2, 0.9) > 1  # tried again
 
 
 def test_a_one_token_ratio_raised_by_a_burst_stops_keeping_wide_passes_on():
@@ -339,9 +339,9 @@ def test_a_one_token_ratio_raised_by_a_burst_stops_keeping_wide_passes_on():
     for _ in range(30):  # a burst of other load: one-token passes read three times their price
         controller.passed(2, 1, 3 * steep.ms(2, 1) / 1000)
     assert controller.choose(rows, [9] * 2, 0.9) > 1
-    for _ in range(WidthController.STALE + 40):  # wide passes at their price: the one-token ratio is not measured
+    for _ in range(Prices.STALE + 40):  # wide passes at their price: the one-token ratio is not measured
         controller.passed(2, 3, steep.ms(2, 3) / 1000)
-    assert controller.scale[False] < 1.1 and controller.choose(rows, [9] * 2, 0.9) == 1
+    assert controller.prices.of(2)[False] < 1.1 and controller.choose(rows, [9] * 2, 0.9) == 1
 
 
 def test_masks_beside_a_prompt_are_fed_where_their_tokens_are_worth_what_they_add():
@@ -392,8 +392,8 @@ def test_verifying_and_window_passes_keep_their_own_price_corrections():
     window, verifying = WidthController(measured, 4), WidthController(measured, 4, verifying=True)
     for _ in range(40):
         verifying.passed(2, 4, 2 * measured.ms(2, 4) / 1000)  # verifying passes' masks cost twice their price
-    assert verifying.scale[True] == pytest.approx(2.0, rel=0.05) and window.scale[True] == 1.0
-    assert WidthController(measured, 4, verifying=True).scale[True] == verifying.scale[True]  # shared on the surface
+    assert verifying.prices.of(2)[True] == pytest.approx(2.0, rel=0.05) and window.prices.of(2)[True] == 1.0
+    assert WidthController(measured, 4, verifying=True).prices is verifying.prices  # shared on the surface
 
 
 def test_a_verifying_batch_starts_from_the_drafts_earlier_batches_held():
@@ -455,3 +455,64 @@ def test_idle_passes_pull_a_row_toward_the_prior_as_one_at_a_time_would():
     row.observe(1, 1)  # the next real pass counts after the pull
     assert row.tried[0] == pytest.approx(0.9 * t + 1, rel=1e-12)
     assert row.held[0] == pytest.approx(0.9 * h + 1, rel=1e-12)
+
+
+def test_prices_are_corrected_apart_for_each_row_count():
+    measured = Surface.from_cost(lambda r, w: 5.0 + 0.1 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(measured, 4)
+    for _ in range(40):
+        controller.passed(4, 3, 2 * measured.ms(4, 3) / 1000)  # wide passes over 4 rows at twice their price
+        controller.passed(2, 3, measured.ms(2, 3) / 1000)  # over 2 rows at their price
+    assert controller.prices.of(4)[True] == pytest.approx(2.0, rel=0.05)
+    assert controller.prices.of(2)[True] == pytest.approx(1.0, rel=0.01) and controller.prices.of(8)[True] == 1.0
+
+
+def test_a_price_gone_unmeasured_is_looked_at_once_where_its_kind_comes_near():
+    # a mask in two holds: priced here, a width-2 pass promises ~0.9x the rate of one-token passes
+    dear = Surface.from_cost(lambda r, w: 5.0 + 0.95 * (w - 1) * r, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(dear, 4)
+    rows = [Hits(3) for _ in range(2)]
+    assert controller.choose(rows, [9] * 2, 0.9) == 1 and controller.prices.due(2) is None
+    for _ in range(Prices.STALE):  # one-token passes at their price: the wide price is not measured meanwhile
+        controller.passed(2, 1, dear.ms(2, 1) / 1000)
+    assert controller.prices.due(2) is True
+    width = controller.choose(rows, [9] * 2, 0.9)
+    assert width > 1  # a look: near enough to what it would cost if the surface were off
+    controller.passed(2, width, 0.5 * dear.ms(2, width) / 1000)  # and wide passes cost half their price today
+    assert controller.prices.due(2) is None and controller.prices.of(2)[True] == pytest.approx(0.75)
+    assert controller.choose(rows, [9] * 2, 0.9) > 1  # they pay: taken from now on
+    # far from paying, no look: a linear surface's widths promise under half the one-token rate
+    steep = Surface.from_cost(lambda r, w: 1.0 + 10.0 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    linear = WidthController(steep, 4)
+    for _ in range(Prices.STALE + 1):
+        linear.passed(2, 1, steep.ms(2, 1) / 1000)
+    assert linear.prices.due(2) is True and linear.choose(rows, [9] * 2, 0.9) == 1
+
+
+def test_a_batch_prices_a_draftless_row_at_the_width_its_drafting_rows_feed():
+    costs = {1: 10.0, 2: 10.5, 3: 11.0, 4: 13.0, 5: 16.0, 7: 20.0, 10: 25.0}
+    depths = DraftDepth(3, costs)  # at the prior: one draft in two held
+    alone = depths.rate(1, False)  # one row: after a miss the next pass feeds 2 tokens
+    depths.rows = 4
+    assert depths.rate(1, False) == pytest.approx((1.5 + 0.5) / (1.5 * costs[3]))  # in a batch it rides at 3
+    assert depths.rate(1, False) < alone and depths.rate(1, True) == pytest.approx(1.5 / costs[4])
+    assert depths.layout() == (1, False)  # one draft without fallback masks pays best on this curve
+
+
+def test_exact_batches_without_fallback_masks_are_greedy_ar(tiny_lm, monkeypatch):
+    from mars_demo.engine.decoding.batch import token
+
+    costs = {1: 10.0, 2: 10.5, 3: 11.0, 4: 13.0, 5: 16.0, 7: 20.0, 10: 25.0, 16: 40.0}
+    widths = tuple(costs)
+    no_fallback = Surface.from_cost(lambda r, w: costs[w], rows=ROWS, widths=widths, name="no fallback")
+    seen, verify_block = [], token.verify_block
+
+    def recorded(*args):
+        seen.append(args[-1])  # whether the pass fed the fallback group
+        return verify_block(*args)
+
+    monkeypatch.setattr(token, "verify_block", recorded)
+    ids = _ids(tiny_lm)
+    ar, _ = _batch(tiny_lm, ids, 1.0)
+    out, _ = _batch(tiny_lm, ids, 1.0, surface=no_fallback, verifying=True)
+    assert False in seen and out == ar

@@ -142,7 +142,9 @@ class DraftDepth:
     fallback masks). Its long-run rate is that of a two-state chain: with drafts, a
     pass commits 1 + sum_i P(first i held) tokens and, without fallback masks, leaves
     the next pass draft-less unless every draft held; without drafts, a pass commits
-    one token and drafts D. Without a curve (a GPU, an unmeasured model) passes are
+    one token and drafts D. In a batch (``rows`` > 1) a row without drafts rides in a pass that the
+    rows with drafts make 1 + 2D wide, so its pass is priced at that width, not at 1 + D.
+    Without a curve (a GPU, an unmeasured model) passes are
     taken to cost the same at any width: the widest layout with fallback masks.
     A plain AR pass (D = 0) tries no draft, so it would learn nothing that could end a run of them:
     while they are chosen the counts fade towards where they started (FADE a pass: the prior, or in a
@@ -163,6 +165,7 @@ class DraftDepth:
         self.costs = dict(sorted(costs.items())) if costs else None
         self.start = start or ([float(self.PRIOR[0])] * most, [float(self.PRIOR[1])] * most)
         self.held, self.tried = list(self.start[0]), list(self.start[1])
+        self.rows = 1  # rows decoding together (the class docstring): a batch sets it before each layout
 
     def observe(self, drafted: int, held: int) -> None:
         """A pass verified ``drafted`` drafts and kept the first ``held``: depth j was tried if j - 1 held."""
@@ -187,15 +190,20 @@ class DraftDepth:
             reach *= self.held[j] / self.tried[j]
             expected += reach
         to_bare = 0.0 if fallback else 1.0 - reach  # chance a pass with drafts leaves the next without
-        with_drafts, bare = self.cost(1 + (3 if fallback else 2) * depth), self.cost(1 + depth)
+        with_drafts = self.cost(1 + (3 if fallback else 2) * depth)
+        bare = self.cost(1 + depth) if self.rows == 1 else with_drafts  # in a batch: the drafting rows' width
         return (expected + to_bare) / (with_drafts + to_bare * bare)
+
+    def drafting(self, fallbacks: tuple[bool, ...] = (True, False)) -> tuple[int, bool]:
+        """The drafting layout (D >= 1, fallback) of the best rate on the curve."""
+        options = [(d, f) for d in range(1, self.most + 1) for f in fallbacks]
+        return max(options, key=lambda option: self.rate(*option))
 
     def layout(self, fallbacks: tuple[bool, ...] = (True, False)) -> tuple[int, bool]:
         """(D, fallback) for the next pass; D = 0 (a plain AR pass) where no draft pays on the curve."""
         if not self.costs or self.most < 1:
             return self.most, True
-        options = [(0, True)] + [(d, f) for d in range(1, self.most + 1) for f in fallbacks]
-        chosen = max(options, key=lambda option: self.rate(*option))
+        chosen = max([(0, True), self.drafting(fallbacks)], key=lambda option: self.rate(*option))
         if not chosen[0]:
             fade = self.FADE
             self.held = [h + (n - h) * fade for n, h in zip(self.held, self.start[0])]

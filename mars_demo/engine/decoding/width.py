@@ -41,6 +41,8 @@ from .surface import Surface
 
 GAIN = 1.05  # a wider pass is taken only where it promises this much over one-token passes: the
 # surface is a model of what a pass costs, and a pass it prices within a few percent may not pay
+NEAR = 0.8  # a pass of the kind whose price is due a look (Prices.due) is taken where it promises this much of
+# the choice's rate: a look costs at most a fifth of a pass every STALE passes
 
 
 class Hits:
@@ -101,6 +103,50 @@ class Hits:
         return out
 
 
+class Prices:
+    """What passes on a measured surface cost against its price: the running ratio of measured to priced ms, kept
+    per row count and apart for one-token and wider passes (``WidthController``'s docstring).
+
+    A surface measured once is off by different amounts at different row counts and widths as the machine's
+    phase moves (on a 2-core VM, one morning: one-token passes at 1.12-1.35x its price, wide ones at 0.9-1.0x,
+    by rows), so one ratio a kind, fed by every row count a batch passes through, priced 4-row passes by what
+    1-row ones had cost.
+    """
+
+    DECAY = 0.9  # a ratio follows the last tens of passes
+    STALE = 32  # passes of one kind in a row after which the other kind's ratio is due a look (``due``)
+
+    def __init__(self) -> None:
+        self.ratios: dict[int, dict[bool, float]] = {}  # rows -> {wide?: ratio}
+        self.runs: dict[int, tuple[bool, int]] = {}  # rows -> (the last pass's kind, passes of it in a row)
+
+    def of(self, rows: int) -> dict[bool, float]:
+        """{wide?: ratio} at ``rows`` rows: 1.0 (the surface as measured) until passes there are seen."""
+        return self.ratios.setdefault(rows, {False: 1.0, True: 1.0})
+
+    def seen(self, rows: int, wide: bool, ratio: float) -> None:
+        """A pass of this kind over ``rows`` rows took ``ratio`` times its price.
+
+        The first pass of a kind after STALE of the other (a look: ``due``) counts for half, not a tenth: the old
+        ratio is as old as that run. After STALE passes in a row, the other kind's ratio also drifts toward this
+        one's (the surface's own relative prices), so that one a burst of other load raised comes near enough
+        to be looked at again.
+        """
+        ratios, decay, ratio = self.of(rows), self.DECAY, min(max(ratio, 0.25), 4.0)
+        kind, run = self.runs.get(rows, (wide, 0))
+        weight = 0.5 if kind != wide and run >= self.STALE else 1 - decay
+        ratios[wide] = (1 - weight) * ratios[wide] + weight * ratio
+        run = run + 1 if kind == wide else 1
+        self.runs[rows] = (wide, run)
+        if run > self.STALE:
+            ratios[not wide] = decay * ratios[not wide] + (1 - decay) * ratios[wide]
+
+    def due(self, rows: int) -> bool | None:
+        """The kind (wide?) whose ratio at ``rows`` has gone unmeasured for STALE passes, else None."""
+        kind, run = self.runs.get(rows, (False, 0))
+        return (not kind) if run >= self.STALE else None
+
+
 _POOLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # surface -> {most: {tau: pooled Hits}}
 
 
@@ -133,20 +179,19 @@ class WidthController:
     model's rows have shown on this machine, not from the prior.
 
     On a measured surface the controller also checks it against the passes it sees (``passed``): the
-    running ratio of a pass's measured time to the surface's price, kept apart for one-token and wider
-    passes (the host work a real batch adds per column is not all in the surface) and for MARS windows
-    and verifying passes (whose 4-D masks and fallback groups add their own), scales the price of every
-    later pass of its kind. Each ratio is measured only while its passes are taken, so one that a burst
-    of other load raised could keep them off for good (a wide ratio: wide passes never tried again; a
-    one-token ratio: wide passes taken where they do not pay): after STALE passes in a row of the other
-    kind it drifts toward the measured ratio (the surface's own relative prices), and the surface decides
-    again. A simulated surface is the clock itself and is taken as it is.
+    running ratio of a pass's measured time to the surface's price (``Prices``), kept per row count, apart
+    for one-token and wider passes (the host work a real batch adds per column is not all in the surface)
+    and for MARS windows and verifying passes (whose 4-D masks and fallback groups add their own), scales
+    the price of every later pass of its kind at that row count. Each ratio is measured only while its
+    passes are taken, so one that was off (a surface measured in another phase of the machine, a burst of
+    other load) could keep them off, or on, for good. So after STALE passes in a row of one kind, the other
+    kind is taken once where it promises NEAR of the choice's rate (``settle``), and that look sets its ratio
+    again; further off, its ratio drifts toward the measured one until it comes near.
+    A simulated surface is the clock itself and is taken as it is.
     """
 
     ROW_DECAY = 0.95  # a row's own share follows its last tens of passes
     POOLED_DECAY = 0.99  # the batch's, its last hundreds of row passes
-    COST_DECAY = 0.9  # the measured / priced ratio follows the last tens of passes
-    STALE = 32  # passes of one kind in a row after which the other kind's ratio, unmeasured since, drifts back
     RECHECK = 8  # idle passes of a row after which a choice of width 1 that nothing came near is made again
 
     def __init__(self, surface: Surface | None, most: int, *, verifying: bool = False) -> None:
@@ -156,8 +201,7 @@ class WidthController:
         self.shared = shared
         self.drafts: Hits | None = None  # verifying passes: the pooled share of drafts held (start_drafts)
         kind = "verify" if verifying else "window"
-        self.scale: dict[bool, float] = shared.setdefault(("scale", kind), {False: 1.0, True: 1.0})  # wide? -> ratio
-        self.run: list = shared.setdefault(("run", kind), [False, 0])  # the last pass's kind (wide?), and its run
+        self.prices: Prices = shared.setdefault(("prices", kind), Prices())  # the surface against the passes seen
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
         self.settled: tuple | None = None  # what the last width-1 choice that no width came near was made on
 
@@ -178,24 +222,28 @@ class WidthController:
 
     def _rates(self, reach: Sequence[list[float]], caps: Sequence[int]) -> dict[int, float]:
         """``rates`` from the rows' acceptance (``Hits.reach``), read once for every width."""
-        out = {}
+        out, scale = {}, self.prices.of(len(reach))
         for width in range(1, self.most + 1):
             widths = [min(width, cap) for cap in caps]
             expected = sum(sum(r[: max(w, 1)]) for r, w in zip(reach, widths))
             columns = widest_accepted(reach, widths) - 1 + width
-            out[width] = expected / (self.surface.ms(len(reach), columns) * self.scale[columns > 1])
+            out[width] = expected / (self.surface.ms(len(reach), columns) * scale[columns > 1])
         return out
 
     def passed(self, rows: int, columns: int, seconds: float) -> None:
         """A pass over ``rows`` rows fed ``columns`` columns and took ``seconds``: correct the prices."""
         if self.surface is None or self.surface.simulated or rows < 1 or columns < 1 or seconds <= 0:
             return
-        ratio = seconds * 1000 / self.surface.ms(rows, columns)
-        wide, decay = columns > 1, self.COST_DECAY
-        self.scale[wide] = decay * self.scale[wide] + (1 - decay) * min(max(ratio, 0.25), 4.0)
-        self.run[:] = [wide, self.run[1] + 1 if self.run[0] == wide else 1]
-        if self.run[1] > self.STALE:  # the other kind's ratio, unmeasured for a while, drifts back (class docstring)
-            self.scale[not wide] = decay * self.scale[not wide] + (1 - decay) * self.scale[wide]
+        self.prices.seen(rows, columns > 1, seconds * 1000 / self.surface.ms(rows, columns))
+
+    def settle(self, rows: int, gain: float) -> bool:
+        """Whether the next pass over ``rows`` rows is wide, given the best wide choice's expected ``gain`` over
+        one-token passes: where it promises GAIN (one row: any gain), or where a kind's price is due a look
+        (``Prices.due``), the kind due wherever it promises NEAR of the other's rate."""
+        due = self.prices.due(rows)
+        if due is None:
+            return gain >= (GAIN if rows > 1 else 1.0)
+        return gain >= NEAR if due else gain > 1.0 / NEAR
 
     def start_drafts(self, depth: int) -> tuple[list[float], list[float]]:
         """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the
@@ -214,7 +262,8 @@ class WidthController:
 
         Where width 1 won and no width came near it, the choice stands for the next passes over the same rows at
         the same tau until a row has shown something, a row has idled RECHECK passes (its share has relaxed
-        since) or the wide / one-token price ratio (``passed``) has moved by a tenth: reading every row's
+        since), the wide / one-token price ratio (``passed``) has moved by a tenth or a price has come due a look
+        (``settle``): reading every row's
         acceptance every pass is host work that a plain AR pass otherwise does not pay (~60 us of a 5 ms pass at
         8 rows on a 2-core CPU).
         """
@@ -226,16 +275,18 @@ class WidthController:
             self.last = self.prefill(rows, caps, fed)
         elif not self._settled(rows, tau):
             rates = self.rates(rows, caps)
-            best = max(rates, key=lambda w: (rates[w], -w))
-            best = best if rates[best] >= (GAIN if len(rows) > 1 else 1.0) * rates[1] else 1
+            wide = max((w for w in rates if w > 1), key=lambda w: (rates[w], -w), default=1)
+            gain = rates[wide] / rates[1]
+            best = wide if wide > 1 and self.settle(len(rows), gain) else 1
             self.last = (best, rates[best] / rates[1])
-            near = max((rates[w] for w in rates if w > 1), default=0.0) >= rates[1]
-            self.settled = None if best > 1 or near else self._standing(rows, tau)
+            self.settled = None if best > 1 or gain >= 1.0 else self._standing(rows, tau)
         return self.last[0]
 
     def _standing(self, rows: Sequence[Hits], tau: float) -> tuple:
-        """What a width-1 choice is made on (``choose``): the rows, tau, what the rows showed, the price ratio."""
-        return len(rows), tau, sum(h.seen for h in rows), round(math.log(self.scale[True] / self.scale[False]), 1)
+        """What a width-1 choice is made on (``choose``): the rows, tau, what the rows showed, the price ratio and
+        whether a price is due a look."""
+        scale, n = self.prices.of(len(rows)), len(rows)
+        return n, tau, sum(h.seen for h in rows), round(math.log(scale[True] / scale[False]), 1), self.prices.due(n)
 
     def _settled(self, rows: Sequence[Hits], tau: float) -> bool:
         """Whether the last width-1 choice stands for these rows (``choose``)."""
@@ -247,12 +298,12 @@ class WidthController:
         the ms they add to the prefill. Priced as a pass's rate instead, masks beside a long prompt always looked
         free, and at 8 rows on a 2-core CPU they cost more than the tokens they brought."""
         reach = [h.reach(self.most) for h in rows]
-        per_token = 1.0 / max(self._rates(reach, caps).values())
-        base = self.surface.ms(len(rows), fed) * self.scale[fed > 1]
+        per_token, scale = 1.0 / max(self._rates(reach, caps).values()), self.prices.of(len(rows))
+        base = self.surface.ms(len(rows), fed) * scale[fed > 1]
         best, value = 1, 0.0
         for width in range(2, self.most + 1):
             tokens = sum(sum(r[1 : min(width, cap)]) for r, cap in zip(reach, caps))  # beyond each row's first
-            added = self.surface.ms(len(rows), fed - 1 + width) * self.scale[True] - base
+            added = self.surface.ms(len(rows), fed - 1 + width) * scale[True] - base
             if tokens * per_token - added > value:
                 best, value = width, tokens * per_token - added
         return best, 1.0 + value / base

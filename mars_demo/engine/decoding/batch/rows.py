@@ -75,10 +75,15 @@ class PaddedCache:
         first = torch.tensor(window.first_pos, device=device)[:, None]
         positions = (first + torch.arange(window.width, device=device)).clamp_min(0)  # (rows, width)
         ids = torch.tensor(window.ids, device=device)
-        if self._apart(attn, window.keep):
-            return self._feed_apart(ids, positions, attn, None, window.keep)
+        return self.forward_padded(ids, positions, attn, window.keep)
+
+    def forward_padded(self, ids: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor, keep: int) -> torch.Tensor:
+        """Feed ids (rows, width) causally, ``attn`` (rows, width) 1 where a column is fed and 0 for a hole; logits
+        (rows, keep, vocab) of the last ``keep`` columns."""
+        if self._apart(attn, keep):
+            return self._feed_apart(ids, positions, attn, None, keep)
         self.attn = torch.cat([self.attn, attn], dim=1)
-        return self.backend.forward(ids, self.cache, positions=positions, mask=self.attn, keep=window.keep)
+        return self.backend.forward(ids, self.cache, positions=positions, mask=self.attn, keep=keep)
 
     def forward_block(self, ids: torch.Tensor, positions: torch.Tensor, block: torch.Tensor, keep: int) -> torch.Tensor:
         """Feed ids (rows, width) whose attention among themselves is ``block`` (rows, width, width; True = may

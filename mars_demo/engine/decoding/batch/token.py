@@ -52,18 +52,19 @@ def slide(
 
 
 def verify_block(
-    pending: list[list[int]], drafts: list[list[int]], next_pos: list[int], L: int, mask_id: int, pad_id: int, device
+    pending: list[list[int]], drafts: list[list[int]], next_pos: list[int], L: int, mask_id: int, pad_id: int, device,
+    fallback: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """[holes | pending | drafts | L masks | L fallback masks] per row (exact.verify_window, batched).
 
     Returns ids and position ids (rows, width), the attention among the fed columns
     (rows, width, width), and n, the width of the real part. A row's fallback masks
     sit right after its newest pending token and do not see its drafts or main masks;
-    none are fed when no row has drafts, and a row without drafts gets holes there (it
-    reads no fallback: a backend that skips holes does no work for them).
+    none are fed without ``fallback`` or when no row has drafts, and a row without drafts
+    gets holes there (it reads no fallback: a backend that skips holes does no work for them).
     """
     real, real_attn = left_pad([p + d for p, d in zip(pending, drafts)], pad_id)  # (A, n), holes on the left
-    g = L if any(drafts) else 0  # no row has drafts: no fallback group
+    g = L if fallback and any(drafts) else 0  # no fallback group asked for, or no row has drafts
     n, width = len(real[0]), len(real[0]) + L + g
     # built in numpy, then handed to torch once: a batch's every verifying pass does this (~20 torch ops before)
     ids = np.array([row + [mask_id] * (L + g) for row in real], dtype=np.int64)
@@ -83,25 +84,26 @@ def verify_block(
 
 def verify_rows(
     logits: torch.Tensor, drafts: list[list[int]], L: int, tau: float, metric: str,
-    rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None,
+    rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None, fallback: bool = True,
 ) -> list[exact.Verdict]:
     """Each row's verdict; at a temperature by ``rule``, each row's drafts drawn from its ``proposals``.
 
-    logits: (A, 1 + max drafts + L + fallback, vocab); a row's newest pending token is at column max - d.
+    logits: (A, 1 + max drafts + L + fallback, vocab); a row's newest pending token is at column max - d;
+    ``fallback``: whether the pass fed the fallback group (verify_block).
     """
     most, greedy = max(map(len, drafts)), rule is None or rule.sampling.greedy
     if greedy:  # every row's greedy tokens and confidences in one call and one sync
         tokens, conf = (t.tolist() for t in greedy_confidence(logits, metric))
     verdicts = []
     for r, d in enumerate(drafts):
-        start, fallback = most - len(d), slice(-L, None) if d else slice(0, 0)
+        start, back = most - len(d), slice(-L, None) if d and fallback else slice(0, 0)
         if greedy:
             tok, cf = tokens[r], conf[r]
-            verdicts.append(exact.read_verdict(tok[start : start + 1 + len(d) + L] + tok[fallback],
-                                               cf[start : start + 1 + len(d) + L] + cf[fallback], d, L, tau, metric))
+            verdicts.append(exact.read_verdict(tok[start : start + 1 + len(d) + L] + tok[back],
+                                               cf[start : start + 1 + len(d) + L] + cf[back], d, L, tau, metric))
             continue
         rows = logits[r, start : start + 1 + len(d) + L]
-        if d:
+        if d and fallback:
             rows = torch.cat([rows, logits[r, -L:]])
         verdicts.append(rule.verify(rows, d, L, tau, metric, proposals[r]))
     return verdicts
@@ -184,7 +186,7 @@ class TokenBatch:
         """One forward pass for every active row; (a step per book row, columns fed). Finished rows leave."""
         started, rows = time.perf_counter(), len(self.active)
         if self.verifying:
-            depth = self._depth()
+            depth, fallback = self._depth(tau)
             for r in self.active:  # exact passes also draft by lookup, as decode_passes does
                 self.drafts[r], self.proposals[r] = speculative.pick_drafts(
                     self.history[r], self.drafts[r], self.proposals[r], depth, tau >= 1.0
@@ -193,7 +195,7 @@ class TokenBatch:
             if depth:
                 steps, fed = _verify_pass(
                     self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, depth, self.mask_id,
-                    self.pad_id, tau, self.metric, self.rule, self.proposals,
+                    self.pad_id, tau, self.metric, self.rule, self.proposals, fallback,
                 )
             else:  # nothing to verify and no masks: a plain AR pass, without the verifying pass's 4-D mask
                 steps, fed = self._window_pass(1.0)
@@ -211,25 +213,30 @@ class TokenBatch:
         self.passes += 1
         return steps, fed
 
-    def _depth(self) -> int:
-        """Drafts (and masks per group) of the next verifying pass: by expected tokens per ms at this many rows.
+    def _depth(self, tau: float) -> tuple[int, bool]:
+        """Drafts (and masks per group) of the next verifying pass, and whether it feeds the fallback group: by
+        expected tokens per ms at this many rows (exact.DraftDepth; hybrid passes keep the fallback group, whose
+        masks it may accept, as one sequence's do).
 
         The prefill feeds a full group of masks, the first drafts, where drafting pays at this many rows, and
         none where it does not (they would draft for passes that verify nothing).
         """
         surface, most = self.controller.surface, self.B - 1
         if surface is None:
-            return most
-        rows = len(self.active)
-        scale = self.controller.scale  # the surface's prices against the passes seen (WidthController.passed)
-        self.depths.costs = {w: surface.ms(rows, w) * scale[w > 1] for w in range(1, 3 * most + 2)}
-        depth, _ = self.depths.layout(fallbacks=(True,))
-        gain = self.depths.rate(depth, True) / self.depths.rate(0, True)
-        depth = depth if gain >= GAIN else 0  # as the MARS width: a layout priced within a few percent may not pay
-        if not self.passes:
-            return most if depth else 0
+            return most, True
+        rows, depths = len(self.active), self.depths
+        # the surface's prices against the passes seen at this many rows (WidthController.passed)
+        scale = self.controller.prices.of(rows)
+        depths.costs, depths.rows = {w: surface.ms(rows, w) * scale[w > 1] for w in range(1, 3 * most + 2)}, rows
+        fallbacks = (True, False) if tau >= 1.0 else (True,)
+        depth, fallback = depths.layout(fallbacks)  # where AR passes win, the shares fade back to where they began
+        depth, fallback = (depth, fallback) if depth else depths.drafting(fallbacks)  # the best drafting layout
+        gain = depths.rate(depth, fallback) / depths.rate(0, True)
+        if not self.passes:  # as the MARS width: a layout priced within a few percent may not pay
+            return (most if gain >= GAIN else 0), True
+        depth = depth if self.controller.settle(rows, gain) else 0  # (or a price is due a look)
         self.controller.last = (1 + depth, gain if depth else 1.0)
-        return depth
+        return depth, fallback
 
     def _window_pass(self, tau: float) -> tuple[list[RowStep], int]:
         active, book, controller = self.active, self.book, self.controller
@@ -285,7 +292,7 @@ class TokenBatch:
 def _verify_pass(
     kv: PaddedCache, book: RowBook, active: list[int], pending: list[list[int]], drafts: list[list[int]],
     next_pos: list[int], L: int, mask_id: int, pad_id: int, tau: float, metric: str,
-    rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None,
+    rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None, fallback: bool = True,
 ) -> tuple[list[RowStep], int]:
     """One verifying pass for every active row: feed, verify, commit, and keep in the cache only verified columns.
 
@@ -295,11 +302,15 @@ def _verify_pass(
     rows_pending, rows_drafts = [pending[r] for r in active], [drafts[r] for r in active]
     cached = kv.length
     ids, positions, block, n = verify_block(
-        rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device
+        rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device, fallback
     )
-    logits = kv.forward_block(ids, positions, block, 1 + max(map(len, rows_drafts)) + ids.shape[1] - n)
+    keep = 1 + max(map(len, rows_drafts)) + ids.shape[1] - n
+    if ids.shape[1] == n + L:  # no fallback group: causal among the fed columns, which a 2-D mask says
+        logits = kv.forward_padded(ids, positions, block.diagonal(dim1=1, dim2=2).long(), keep)
+    else:
+        logits = kv.forward_block(ids, positions, block, keep)
     rows_q = [proposals[r] for r in active] if proposals is not None else None
-    verdicts = verify_rows(logits, rows_drafts, L, tau, metric, rule, rows_q)
+    verdicts = verify_rows(logits, rows_drafts, L, tau, metric, rule, rows_q, fallback)
     steps = book.commit_all(active, [v.tokens for v in verdicts], [v.confidences for v in verdicts])
     # each row's columns up to its last verified draft
     kept = [n - len(d) + v.cached for d, v in zip(rows_drafts, verdicts)]
