@@ -464,12 +464,15 @@ def test_prices_are_corrected_apart_for_each_row_count():
         controller.passed(4, 3, 2 * measured.ms(4, 3) / 1000)  # wide passes over 4 rows at twice their price
         controller.passed(2, 3, measured.ms(2, 3) / 1000)  # over 2 rows at their price
     assert controller.prices.of(4)[True] == pytest.approx(2.0, rel=0.05)
-    assert controller.prices.of(2)[True] == pytest.approx(1.0, rel=0.01) and controller.prices.of(8)[True] == 1.0
+    assert controller.prices.of(2)[True] == pytest.approx(1.0, rel=0.01)
+    assert controller.prices.of(7) == controller.prices.of(4)  # a count not seen yet starts from the nearest one's
+    controller.passed(7, 3, measured.ms(7, 3) / 1000)
+    assert controller.prices.of(7)[True] < controller.prices.of(4)[True]  # and is kept apart from then on
 
 
 def test_a_price_gone_unmeasured_is_looked_at_once_where_its_kind_comes_near():
-    # a mask in two holds: priced here, a width-2 pass promises ~0.9x the rate of one-token passes
-    dear = Surface.from_cost(lambda r, w: 5.0 + 0.95 * (w - 1) * r, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    # a mask in two holds: priced here, a width-2 pass promises ~0.92x the rate of one-token passes
+    dear = Surface.from_cost(lambda r, w: 5.0 + 0.9 * (w - 1) * r, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
     controller = WidthController(dear, 4)
     rows = [Hits(3) for _ in range(2)]
     assert controller.choose(rows, [9] * 2, 0.9) == 1 and controller.prices.due(2) is None

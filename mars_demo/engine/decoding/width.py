@@ -41,8 +41,9 @@ from .surface import Surface
 
 GAIN = 1.05  # a wider pass is taken only where it promises this much over one-token passes: the
 # surface is a model of what a pass costs, and a pass it prices within a few percent may not pay
-NEAR = 0.8  # a pass of the kind whose price is due a look (Prices.due) is taken where it promises this much of
-# the choice's rate: a look costs at most a fifth of a pass every STALE passes
+NEAR = 0.9  # a pass of the kind whose price is due a look (Prices.due) is taken where it promises this much of
+# the choice's rate: a look costs about a tenth of a pass every STALE passes (a verifying one, whose first pass
+# only drafts, a few tenths)
 
 
 class Hits:
@@ -121,8 +122,12 @@ class Prices:
         self.runs: dict[int, tuple[bool, int]] = {}  # rows -> (the last pass's kind, passes of it in a row)
 
     def of(self, rows: int) -> dict[bool, float]:
-        """{wide?: ratio} at ``rows`` rows: 1.0 (the surface as measured) until passes there are seen."""
-        return self.ratios.setdefault(rows, {False: 1.0, True: 1.0})
+        """{wide?: ratio} at ``rows`` rows: at first those of the nearest row count seen (a batch whose rows finish
+        passes through counts it has not priced yet), or 1.0, the surface as measured."""
+        if rows not in self.ratios:
+            near = min(self.ratios, key=lambda seen: (abs(seen - rows), seen), default=None)
+            self.ratios[rows] = dict(self.ratios[near]) if near is not None else {False: 1.0, True: 1.0}
+        return self.ratios[rows]
 
     def seen(self, rows: int, wide: bool, ratio: float) -> None:
         """A pass of this kind over ``rows`` rows took ``ratio`` times its price.
