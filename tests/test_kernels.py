@@ -171,6 +171,23 @@ def test_a_curve_slowed_by_other_load_is_bounded_by_its_wider_passes(tmp_path):
     assert read.costs_ms[2] == 3.49 and list(read.costs_ms.values()) == sorted(read.costs_ms.values())
 
 
+def test_cpus_of_one_model_name_are_told_apart_by_family_model_and_features(monkeypatch):
+    from mars_demo.engine import machine
+
+    zen4 = {"model name": "AMD EPYC", "cpu family": "25", "model": "17", "stepping": "1"}
+    zen5 = {"model name": "AMD EPYC", "cpu family": "26", "model": "2", "stepping": "1"}
+    monkeypatch.setattr(machine, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setattr(machine, "cpu_features", lambda: "fpu avx2 avx512f avx512_vnni")
+    identities = []
+    for fields in (zen4, zen5, zen5):
+        monkeypatch.setattr(machine, "_cpuinfo_fields", lambda fields=fields: fields)
+        identities.append(machine.cpu_identity())
+    assert identities[0] != identities[1] == identities[2] and identities[1].startswith("AMD EPYC")
+    assert "cpu family=26" in identities[1] and "model=2" in identities[1]
+    monkeypatch.setattr(machine, "cpu_features", lambda: "fpu avx2")  # a VM that hides AVX-512
+    assert machine.cpu_identity() != identities[2]
+
+
 def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, monkeypatch):
     calls = []
     real = paths.pass_costs
@@ -199,7 +216,7 @@ def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, mon
         assert torch.equal(lm.model(input_ids=torch.tensor(prompt)).logits,
                            again.model(input_ids=torch.tensor(prompt)).logits)
 
-    monkeypatch.setattr(paths, "cpu_model", lambda: "another CPU")
+    monkeypatch.setattr(paths, "cpu_identity", lambda: "another CPU")
     third = make_lm("llama")
     select(third.model, third.tokenizer, "auto", block_size=4, table_dir=tmp_path)
     assert len(calls) > measured and len(json.loads((tmp_path / paths.TABLE_FILE).read_text())) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import platform
 from pathlib import Path
 
@@ -28,6 +29,33 @@ def _cpuinfo(field: str) -> str | None:
 
 def cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (Linux), by exact name; empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        name, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpu_identity() -> str:
+    """The CPU as measurements on it are keyed: its model name, with its family, model and stepping and a digest of
+    its instruction sets where /proc/cpuinfo gives them.
+
+    One model name can be several CPUs (a cloud's VMs all read "AMD EPYC", on Zen 3, Zen 4 and Zen 5 hosts), and a
+    pass's cost measured on one does not hold on another.
+    """
+    fields = _cpuinfo_fields()
+    numbers = [f"{name}={fields[name]}" for name in ("cpu family", "model", "stepping") if name in fields]
+    digest = hashlib.sha256(cpu_features().encode()).hexdigest()[:8]
+    return " ".join([cpu_model(), *numbers, f"features={digest}"])
 
 
 def cpu_features() -> str:

@@ -41,7 +41,6 @@ from transformers import PreTrainedModel
 
 from .. import settings
 from ..engine.backends.cpu.backend import CpuBackend
-from ..engine.backends.cpu.paths import cpu_model
 from ..engine.decoding.batch import collect_batch, stream_batch_ids
 from ..engine.decoding.batch.rows import left_pad
 from ..engine.decoding.chat import pad_id, prompt_ids
@@ -50,6 +49,7 @@ from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
 from ..engine.decoding.loop import collect, eos_ids, stream_ids
 from ..engine.decoding.metrics import agreement, exact_match, per_forward, per_second, speedup
 from ..engine.decoding.surface import known_surface, surface_for
+from ..engine.machine import cpu_identity, cpu_model
 from ..engine.model import LoadedModel
 from . import llama_cpp
 from .evaluation import Scorer, pooled_nll
@@ -255,6 +255,7 @@ def machine(lm: LoadedModel) -> dict:
     model, backend, compute = lm.model, lm.backend, lm.compute
     desc = {
         "cpu": cpu_model(),
+        "cpu_identity": cpu_identity(),  # what the cost tables and surfaces are kept under (machine.cpu_identity)
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": settings.OMP_NUM_THREADS.read(),

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .... import settings
 from ... import progress
-from ...machine import ASSETS, cpu_model
+from ...machine import ASSETS, cpu_identity, cpu_model
 from .. import backend_for, cpu_engine_runs
 from . import int8gemm, native, native_layers, rowattn
 from .quant import PATHS, activation_ranges, convert, flushing_subnormals
@@ -228,8 +228,8 @@ def model_key(model: PreTrainedModel) -> str:
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     params = sum(p.numel() for p in model.parameters())
     return "|".join([
-        cpu_model(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", f"kernels={KERNELS_VERSION}",
-        f"transformers={transformers.__version__}", f"model={name}", f"params={params}",
+        cpu_identity(), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
+        f"kernels={KERNELS_VERSION}", f"transformers={transformers.__version__}", f"model={name}", f"params={params}",
     ])
 
 
