@@ -465,9 +465,7 @@ def test_prices_are_corrected_apart_for_each_row_count():
         controller.passed(2, 3, measured.ms(2, 3) / 1000)  # over 2 rows at their price
     assert controller.prices.of(4)[True] == pytest.approx(2.0, rel=0.05)
     assert controller.prices.of(2)[True] == pytest.approx(1.0, rel=0.01)
-    assert controller.prices.of(7) == controller.prices.of(4)  # a count not seen yet starts from the nearest one's
-    controller.passed(7, 3, measured.ms(7, 3) / 1000)
-    assert controller.prices.of(7)[True] < controller.prices.of(4)[True]  # and is kept apart from then on
+    assert controller.prices.of(7) == {False: 1.0, True: 1.0}  # a count not seen yet: the surface as measured
 
 
 def test_a_price_gone_unmeasured_is_looked_at_once_where_its_kind_comes_near():

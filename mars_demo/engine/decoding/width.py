@@ -122,12 +122,10 @@ class Prices:
         self.runs: dict[int, tuple[bool, int]] = {}  # rows -> (the last pass's kind, passes of it in a row)
 
     def of(self, rows: int) -> dict[bool, float]:
-        """{wide?: ratio} at ``rows`` rows: at first those of the nearest row count seen (a batch whose rows finish
-        passes through counts it has not priced yet), or 1.0, the surface as measured."""
-        if rows not in self.ratios:
-            near = min(self.ratios, key=lambda seen: (abs(seen - rows), seen), default=None)
-            self.ratios[rows] = dict(self.ratios[near]) if near is not None else {False: 1.0, True: 1.0}
-        return self.ratios[rows]
+        """{wide?: ratio} at ``rows`` rows: 1.0 (the surface as measured) until passes there are seen. (Started from
+        the nearest row count's instead, a count took over ratios that had gone stale there: a 2-row batch's
+        one-token ratio, drifted while its wide passes ran, priced the first 4-row batch's AR passes.)"""
+        return self.ratios.setdefault(rows, {False: 1.0, True: 1.0})
 
     def seen(self, rows: int, wide: bool, ratio: float) -> None:
         """A pass of this kind over ``rows`` rows took ``ratio`` times its price.
