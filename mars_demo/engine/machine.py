@@ -17,14 +17,8 @@ def cache_dir() -> Path:
 
 
 def _cpuinfo(field: str) -> str | None:
-    """The first ``field`` line of /proc/cpuinfo (Linux), None elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    """The first processor's ``field`` in /proc/cpuinfo (Linux), None elsewhere."""
+    return _cpuinfo_fields().get(field)
 
 
 def cpu_model() -> str:

@@ -143,9 +143,9 @@ class DraftDepth:
     pass commits 1 + sum_i P(first i held) tokens and, without fallback masks, leaves
     the next pass draft-less unless every draft held; without drafts, a pass commits
     one token and drafts D. In a batch (``rows`` > 1) a row without drafts rides in a pass that the
-    rows with drafts make 1 + 2D wide, so its pass is priced at that width, not at 1 + D.
-    Without a curve (a GPU, an unmeasured model) passes are
-    taken to cost the same at any width: the widest layout with fallback masks.
+    rows with drafts make 1 + 2D wide, so its pass is priced at that width, not at 1 + D. Without a
+    curve (a GPU, an unmeasured model) passes are taken to cost the same at any width: the widest
+    layout with fallback masks.
     A plain AR pass (D = 0) tries no draft, so it would learn nothing that could end a run of them:
     while they are chosen the counts fade towards where they started (FADE a pass: the prior, or in a
     batch the share earlier batches showed), and drafting is tried again after a few passes or, on much

@@ -123,8 +123,8 @@ class Prices:
 
     def of(self, rows: int) -> dict[bool, float]:
         """{wide?: ratio} at ``rows`` rows: 1.0 (the surface as measured) until passes there are seen. (Started from
-        the nearest row count's instead, a count took over ratios that had gone stale there: a 2-row batch's
-        one-token ratio, drifted while its wide passes ran, priced the first 4-row batch's AR passes.)"""
+        the nearest row count's instead, a count would take over a ratio that had gone stale there, such as a
+        2-row batch's one-token ratio, drifted while its wide passes ran.)"""
         return self.ratios.setdefault(rows, {False: 1.0, True: 1.0})
 
     def seen(self, rows: int, wide: bool, ratio: float) -> None:
