@@ -479,6 +479,10 @@ def test_a_price_gone_unmeasured_is_looked_at_once_where_its_kind_comes_near():
     assert controller.prices.due(2) is True
     width = controller.choose(rows, [9] * 2, 0.9)
     assert width > 1  # a look: near enough to what it would cost if the surface were off
+    gain = controller.last[1]
+    assert controller.settle(2, gain) and controller.settle(2, gain, first=0.1)
+    assert not controller.settle(2, gain, first=0.4)  # a verifying look whose draft-only first pass is dear: none
+    assert controller.settle(2, 1.2, first=0.4)  # but a wide pass that pays is taken whatever its first pass costs
     controller.passed(2, width, 0.5 * dear.ms(2, width) / 1000)  # and wide passes cost half their price today
     assert controller.prices.due(2) is None and controller.prices.of(2)[True] == pytest.approx(0.75)
     assert controller.choose(rows, [9] * 2, 0.9) > 1  # they pay: taken from now on

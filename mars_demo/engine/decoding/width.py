@@ -42,8 +42,10 @@ from .surface import Surface
 GAIN = 1.05  # a wider pass is taken only where it promises this much over one-token passes: the
 # surface is a model of what a pass costs, and a pass it prices within a few percent may not pay
 NEAR = 0.9  # a pass of the kind whose price is due a look (Prices.due) is taken where it promises this much of
-# the choice's rate: a look costs about a tenth of a pass every STALE passes (a verifying one, whose first pass
-# only drafts, a few tenths)
+# the choice's rate: a look costs about a tenth of a pass every STALE passes
+FIRST = 0.2  # and, where its first pass only drafts (a verifying look after AR passes, which leave no drafts),
+# where that pass costs at most this much more than a one-token pass (at 8 rows on a 2-core CPU it costs
+# 0.25-0.45 more, and such looks cost exact-mode batches 1-2%)
 
 
 class Hits:
@@ -239,14 +241,15 @@ class WidthController:
             return
         self.prices.seen(rows, columns > 1, seconds * 1000 / self.surface.ms(rows, columns))
 
-    def settle(self, rows: int, gain: float) -> bool:
+    def settle(self, rows: int, gain: float, first: float = 0.0) -> bool:
         """Whether the next pass over ``rows`` rows is wide, given the best wide choice's expected ``gain`` over
         one-token passes: where it promises GAIN (one row: any gain), or where a kind's price is due a look
-        (``Prices.due``), the kind due wherever it promises NEAR of the other's rate."""
-        due = self.prices.due(rows)
+        (``Prices.due``), the kind due wherever it promises NEAR of the other's rate; a wide look whose first pass
+        only drafts costs ``first`` more than a one-token pass (in one-token passes), at most FIRST."""
+        due, pays = self.prices.due(rows), gain >= (GAIN if rows > 1 else 1.0)
         if due is None:
-            return gain >= (GAIN if rows > 1 else 1.0)
-        return gain >= NEAR if due else gain > 1.0 / NEAR
+            return pays
+        return pays or gain >= NEAR and first <= FIRST if due else gain > 1.0 / NEAR
 
     def start_drafts(self, depth: int) -> tuple[list[float], list[float]]:
         """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the

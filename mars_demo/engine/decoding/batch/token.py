@@ -234,7 +234,9 @@ class TokenBatch:
         gain = depths.rate(depth, fallback) / depths.rate(0, True)
         if not self.passes:  # as the MARS width: a layout priced within a few percent may not pay
             return (most if gain >= GAIN else 0), True
-        depth = depth if self.controller.settle(rows, gain) else 0  # (or a price is due a look)
+        # (or a price is due a look; after AR passes no row has drafts, and a look's first pass only drafts)
+        first = 0.0 if any(self.drafts[r] for r in self.active) else depths.cost(1 + depth) / depths.cost(1) - 1
+        depth = depth if self.controller.settle(rows, gain, first) else 0
         self.controller.last = (1 + depth, gain if depth else 1.0)
         return depth, fallback
 
