@@ -166,6 +166,7 @@ class DraftDepth:
         self.start = start or ([float(self.PRIOR[0])] * most, [float(self.PRIOR[1])] * most)
         self.held, self.tried = list(self.start[0]), list(self.start[1])
         self.rows = 1  # rows decoding together (the class docstring): a batch sets it before each layout
+        self.weighed: tuple[tuple[int, bool], float, float] = ((most, True), 1.0, 1.0)  # see layout
 
     def observe(self, drafted: int, held: int) -> None:
         """A pass verified ``drafted`` drafts and kept the first ``held``: depth j was tried if j - 1 held."""
@@ -194,21 +195,27 @@ class DraftDepth:
         bare = self.cost(1 + depth) if self.rows == 1 else with_drafts  # in a batch: the drafting rows' width
         return (expected + to_bare) / (with_drafts + to_bare * bare)
 
-    def drafting(self, fallbacks: tuple[bool, ...] = (True, False)) -> tuple[int, bool]:
-        """The drafting layout (D >= 1, fallback) of the best rate on the curve."""
-        options = [(d, f) for d in range(1, self.most + 1) for f in fallbacks]
-        return max(options, key=lambda option: self.rate(*option))
+    def drafting(self, fallbacks: tuple[bool, ...] = (True, False)) -> tuple[tuple[int, bool], float]:
+        """The drafting layout (D >= 1, fallback) of the best rate on the curve, and that rate."""
+        rates = {(d, f): self.rate(d, f) for d in range(1, self.most + 1) for f in fallbacks}
+        best = max(rates, key=rates.get)
+        return best, rates[best]
 
     def layout(self, fallbacks: tuple[bool, ...] = (True, False)) -> tuple[int, bool]:
-        """(D, fallback) for the next pass; D = 0 (a plain AR pass) where no draft pays on the curve."""
+        """(D, fallback) for the next pass; D = 0 (a plain AR pass) where no draft pays on the curve.
+
+        ``weighed`` keeps what it chose on: the best drafting layout, its rate and a plain AR pass's (a batch
+        weighs them again, token.py)."""
         if not self.costs or self.most < 1:
             return self.most, True
-        chosen = max([(0, True), self.drafting(fallbacks)], key=lambda option: self.rate(*option))
-        if not chosen[0]:
-            fade = self.FADE
-            self.held = [h + (n - h) * fade for n, h in zip(self.held, self.start[0])]
-            self.tried = [t + (n - t) * fade for n, t in zip(self.tried, self.start[1])]
-        return chosen
+        (best, rate), plain = self.drafting(fallbacks), self.rate(0, True)
+        self.weighed = best, rate, plain
+        if rate > plain:
+            return best
+        fade = self.FADE
+        self.held = [h + (n - h) * fade for n, h in zip(self.held, self.start[0])]
+        self.tried = [t + (n - t) * fade for n, t in zip(self.tried, self.start[1])]
+        return 0, True
 
 
 def lookup(history: list[int], most: int, ngram: int) -> list[int]:

@@ -229,9 +229,9 @@ class TokenBatch:
         scale = self.controller.prices.of(rows)
         depths.costs, depths.rows = {w: surface.ms(rows, w) * scale[w > 1] for w in range(1, 3 * most + 2)}, rows
         fallbacks = (True, False) if tau >= 1.0 else (True,)
-        depth, fallback = depths.layout(fallbacks)  # where AR passes win, the shares fade back to where they began
-        depth, fallback = (depth, fallback) if depth else depths.drafting(fallbacks)  # the best drafting layout
-        gain = depths.rate(depth, fallback) / depths.rate(0, True)
+        depths.layout(fallbacks)  # where AR passes win, the shares fade back to where they began
+        (depth, fallback), rate, plain = depths.weighed  # the best drafting layout, its rate and AR's
+        gain = rate / plain
         if not self.passes:  # as the MARS width: a layout priced within a few percent may not pay
             return (most if gain >= GAIN else 0), True
         # (or a price is due a look; after AR passes no row has drafts, and a look's first pass only drafts)
