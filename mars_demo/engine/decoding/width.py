@@ -249,7 +249,9 @@ class WidthController:
         due, pays = self.prices.due(rows), gain >= (GAIN if rows > 1 else 1.0)
         if due is None:
             return pays
-        return pays or gain >= NEAR and first <= FIRST if due else gain > 1.0 / NEAR
+        if due:  # the wide price: a look where it comes near, unless its first pass is dear
+            return pays or (gain >= NEAR and first <= FIRST)
+        return gain > 1.0 / NEAR  # the one-token price: wide only well clear of it
 
     def start_drafts(self, depth: int) -> tuple[list[float], list[float]]:
         """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the
