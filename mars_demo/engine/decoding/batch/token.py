@@ -57,8 +57,10 @@ def verify_block(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """[holes | pending | drafts | L masks | L fallback masks] per row (exact.verify_window, batched).
 
-    Returns ids and position ids (rows, width), the attention among the fed columns
-    (rows, width, width), and n, the width of the real part. A row's fallback masks
+    Returns ids and position ids (rows, width), the attention among the fed columns, and n,
+    the width of the real part. That attention is (rows, width, width) where a fallback group is
+    fed, else the pass is causal and it is each column's 0/1 (rows, width), a 2-D padding mask's
+    part (no 4-D mask to build and read back). A row's fallback masks
     sit right after its newest pending token and do not see its drafts or main masks;
     none are fed without ``fallback`` or when no row has drafts, and a row without drafts
     gets holes there (it reads no fallback: a backend that skips holes does no work for them).
@@ -75,11 +77,14 @@ def verify_block(
     drafted = np.array([len(d) > 0 for d in drafts])  # reads its fallback
     present = np.concatenate([np.array(real_attn, dtype=bool), np.ones((len(real), L), dtype=bool),
                               np.repeat(drafted[:, None], g, axis=1)], axis=1)
-    block = np.tril(np.ones((width, width), dtype=bool))[None] & present[:, None, :]
-    for r, d in enumerate(drafts):
-        block[r, n + L :, n - len(d) : n + L] = False  # fallback masks: not the drafts, not the main masks
-    ids, positions, block = (torch.from_numpy(a).to(device) for a in (ids, positions.clip(min=0), block))
-    return ids, positions, block, n
+    if g:
+        attention = np.tril(np.ones((width, width), dtype=bool))[None] & present[:, None, :]
+        for r, d in enumerate(drafts):
+            attention[r, n + L :, n - len(d) : n + L] = False  # fallback masks: not the drafts, not the main masks
+    else:
+        attention = present.astype(np.int64)
+    ids, positions, attention = (torch.from_numpy(a).to(device) for a in (ids, positions.clip(min=0), attention))
+    return ids, positions, attention, n
 
 
 def verify_rows(
@@ -303,14 +308,14 @@ def _verify_pass(
     """
     rows_pending, rows_drafts = [pending[r] for r in active], [drafts[r] for r in active]
     cached = kv.length
-    ids, positions, block, n = verify_block(
+    ids, positions, attention, n = verify_block(
         rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device, fallback
     )
     keep = 1 + max(map(len, rows_drafts)) + ids.shape[1] - n
-    if ids.shape[1] == n + L:  # no fallback group: causal among the fed columns, which a 2-D mask says
-        logits = kv.forward_padded(ids, positions, block.diagonal(dim1=1, dim2=2).long(), keep)
+    if attention.dim() == 2:  # no fallback group: a causal pass, under the cache's 2-D padding mask
+        logits = kv.forward_padded(ids, positions, attention, keep)
     else:
-        logits = kv.forward_block(ids, positions, block, keep)
+        logits = kv.forward_block(ids, positions, attention, keep)
     rows_q = [proposals[r] for r in active] if proposals is not None else None
     verdicts = verify_rows(logits, rows_drafts, L, tau, metric, rule, rows_q, fallback)
     steps = book.commit_all(active, [v.tokens for v in verdicts], [v.confidences for v in verdicts])
