@@ -115,6 +115,30 @@ def test_masked_rows_see_only_their_keys_and_nothing_leaks_from_the_others():
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads", GROUPS)
+def test_rows_of_unequal_lengths_split_by_their_keys_give_the_same_bits_on_any_team(heads, kv_heads, monkeypatch):
+    """The units go to the threads by the keys they read (a long row's heads to one thread, many short rows' to
+    the other), never by count alone: each row's output is still its own, bit for bit, however they split."""
+    batch, rows, keys = 5, 2, 240
+    q, k, v = tensors(batch=batch, heads=heads, kv_heads=kv_heads, rows=rows, keys=keys)
+    allowed = causal(batch, rows, keys).clone()
+    for b, holes in enumerate((235, 0, 200, 120, 237)):  # rows that see 3 to 240 keys
+        allowed[b, :, :holes] = False
+    visible = rowattn.Visible(additive(allowed), batch, rows, keys)
+    monkeypatch.setattr(rowattn, "THREADED_WORK", 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = rowattn.attend(rowattn.kernel(), q, k, v, None, visible)
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(rowattn.attend(rowattn.kernel(), q, k, v, None, visible), alone), n
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(alone, sdpa_rows(q, k, v, allowed), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
 def test_a_boolean_mask_reads_as_the_additive_one():
     allowed = causal(1, 3, 10).clone()
     allowed[0, 2, 4] = False

@@ -47,6 +47,22 @@ static inline float dot(const float* q, const KV* k, int64_t d) {
   return s;
 }
 
+// While a block of eight keys is scored, the keys AHEAD positions on and the values of the eight are
+// asked for (prefetches: no bits change). A batch's rows each read their own keys and values, so at
+// 8 rows of a few hundred keys the cache is a quarter of the bytes a pass reads; read one short
+// stream after another they came at about half the rate the weights stream at. With both in flight
+// the value pass finds its values in L1 or L2.
+constexpr int64_t AHEAD = 32;
+template <typename KV>
+static inline void fetch_keys(const KV* k, const KV* v, int64_t ks, int64_t vs, int64_t d) {
+  const int64_t bytes = d * (int64_t)sizeof(KV);
+  for (int u = 0; u < 8; u++)
+    for (int64_t at = 0; at < bytes; at += 64) {
+      __builtin_prefetch((const char*)(k + u * ks) + at);
+      __builtin_prefetch((const char*)(v + u * vs) + at);
+    }
+}
+
 constexpr int64_t MAX_TOGETHER = 64;  // heads of a key group taken together at most
 
 // Heads of a key group whose scores for a block of eight keys are summed at once from an fp16 cache: each
@@ -164,6 +180,7 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
       for (; j + 8 <= end; j += 8, m += 8) {
         const KV* kj = kbase + j * c->ks;
         const int64_t ks = c->ks;
+        fetch_keys(kj + AHEAD * ks, vbase + j * c->vs, ks, c->vs, d);
         if constexpr (D8 > 0 && SCORE_HEADS > 1 && !std::is_same<KV, float>::value) {  // fp16: a few heads at once
           for (int64_t h = first; h < last; h += SCORE_HEADS) {
             const int64_t n = last - h < SCORE_HEADS ? last - h : SCORE_HEADS;
@@ -289,7 +306,42 @@ static int run_units(const CallOf<KV>* c, int64_t first, int64_t last) {
   return 0;
 }
 
-// All units of c, split evenly by count over up to `threads` of torch's OpenMP threads.
+// The keys row r (b * rows + i) sees.
+template <typename KV>
+static inline int64_t visible_keys(const CallOf<KV>* c, int64_t r) {
+  if (!c->ranges) return c->keys - c->rows + r % c->rows + 1;
+  int64_t n = 0;
+  for (int64_t g = c->offsets[r]; g < c->offsets[r + 1]; g++) n += c->ranges[2 * g + 1] - c->ranges[2 * g];
+  return n;
+}
+
+// What a unit costs beyond its keys, counted in keys (its query, softmax and output).
+constexpr int64_t UNIT_KEYS = 16;
+
+// Where thread t of a team of n starts: the first unit before which the units' costs (their keys plus
+// UNIT_KEYS) reach t / n of the whole. Rows of one batch see different numbers of keys (prompts of
+// different lengths, a wide pass's masks), so an even split by count leaves one thread waiting.
+template <typename KV>
+static int64_t unit_boundary(const CallOf<KV>* c, int64_t t, int64_t n) {
+  const int64_t group = c->heads / c->kv_heads, total = c->batch * c->rows * c->heads;
+  if (t <= 0) return 0;
+  if (t >= n) return total;
+  int64_t whole = 0;
+  for (int64_t r = 0; r < c->batch * c->rows; r++) whole += (visible_keys(c, r) + UNIT_KEYS) * c->heads;
+  const int64_t goal = whole * t / n;
+  int64_t sum = 0, u = 0;
+  for (int64_t sg = 0; sg < c->batch * c->kv_heads; sg++)  // units in their order: (b, g), then i, then j
+    for (int64_t i = 0; i < c->rows; i++) {
+      const int64_t cost = visible_keys(c, sg / c->kv_heads * c->rows + i) + UNIT_KEYS;
+      for (int64_t j = 0; j < group; j++, u++) {
+        if (sum >= goal) return u;
+        sum += cost;
+      }
+    }
+  return total;
+}
+
+// All units of c, split by their cost (unit_boundary) over up to `threads` of torch's OpenMP threads.
 static int attend_all(const CallOf<float>* c, int64_t threads) {
   const int64_t total = c->batch * c->rows * c->heads;
   if (threads > total) threads = total;
@@ -299,7 +351,7 @@ static int attend_all(const CallOf<float>* c, int64_t threads) {
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
       const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      failed |= run_units(c, total * t / n, total * (t + 1) / n);
+      failed |= run_units(c, unit_boundary(c, t, n), unit_boundary(c, t + 1, n));
     }
     return failed;
   }
