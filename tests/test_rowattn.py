@@ -171,6 +171,26 @@ def test_a_padding_mask_gives_the_ranges_of_transformers_4d_mask(q_len, holes):
         assert torch.equal(got.live, want.live)
 
 
+@needs_kernel
+@pytest.mark.parametrize("q_len", [1, 2, 5])
+def test_the_native_padding_ranges_are_the_numpy_ones(q_len, monkeypatch):
+    """``Visible.padded`` in one native call gives what its numpy steps give: runs cut at each row's own column,
+    rows that see nothing, holes inside a row and at its end, and the rows fed no token."""
+    assert rowattn.ranges_kernel() is not None
+    generator = torch.Generator().manual_seed(q_len)
+    for trial in range(20):
+        batch, keys = 1 + trial % 7, q_len + trial * 3
+        padding = (torch.rand(batch, keys, generator=generator) > 0.25 + 0.05 * (trial % 4)).long()
+        padding[0, :] = 1 if trial % 2 else 0  # a sequence that sees every key, or none
+        native = rowattn.Visible.padded(padding, q_len)
+        monkeypatch.setattr(rowattn, "ranges_kernel", lambda: None)
+        numpy = rowattn.Visible.padded(padding, q_len)
+        monkeypatch.undo()
+        assert torch.equal(native.ranges, numpy.ranges) and torch.equal(native.offsets, numpy.offsets), trial
+        assert native.work == numpy.work and (native.live is None) == (numpy.live is None), trial
+        assert numpy.live is None or torch.equal(native.live, numpy.live), trial
+
+
 def test_exact_modes_verifying_window_rows_equal_one_token_passes():
     """The drafts' rows of a verifying pass (4-D mask, fallback masks) attend exactly as AR's one-token rows."""
     cached, dim = 30, 64

@@ -16,6 +16,7 @@ argmax's; the probabilities agree with softmax's to float rounding.
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 
 import torch
 
@@ -100,6 +101,11 @@ def accept_count(conf: torch.Tensor, tau: float, metric: str = "probability") ->
     return passing.long().cumprod(dim=-1).sum(dim=-1)
 
 
+@cache
+def _as_fp32(tau: float) -> float:
+    return float(torch.tensor(tau, dtype=torch.float32))
+
+
 def accept_rows(
     logits: torch.Tensor,
     start: list[int],
@@ -125,9 +131,12 @@ def accept_rows(
         conf = confidence(probs, tokens, metric)  # (rows, window)
     else:
         tokens, conf = greedy_confidence(logits, metric)
-    tokens, conf = torch.stack([tokens.double(), conf.double()]).tolist()  # the host sync
+    if tokens.device.type == "cpu":  # nothing to wait for: two lists, not four ops to make one
+        tokens, conf = tokens.tolist(), conf.tolist()
+    else:
+        tokens, conf = torch.stack([tokens.double(), conf.double()]).tolist()  # the host sync, one for both
     # a few numbers a row: host lists beat tensor ops here
-    bar = float(torch.tensor(tau, dtype=torch.float32))  # tau as accept_count compares fp32 confidences
+    bar = _as_fp32(tau)  # tau as accept_count compares fp32 confidences
     out_tokens, out_conf = [], []
     for r in range(len(start)):
         at = [min(max(start[r] + k, 0), window - 1) for k in range(window)]  # candidates 1..window

@@ -37,6 +37,12 @@ def kernel():
     return native.function("row_attention", ROWATTN_ENV, tensors + sizes + visible + [ctypes.c_float, _I])
 
 
+@cache
+def ranges_kernel():
+    """The native ``Visible.padded`` (a ctypes function, in the attention's library), or None: the numpy steps."""
+    return native.function("padding_ranges", ROWATTN_ENV, [_P, _I, _I, _I, _P, _P, _P, _P])
+
+
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the kernel can run these tensors: fp32 on the CPU, key heads dividing query heads."""
     return (
@@ -92,6 +98,9 @@ class Visible:
         Built from each sequence's runs of attended keys, found once, then cut at each row's own column (row i of
         the pass sees keys up to keys - q_len + i): a batch's every pass does this, so it stays a few numpy ops.
         """
+        function = ranges_kernel()
+        if function is not None and padding.dtype == torch.int64 and padding.device.type == "cpu":
+            return cls._padded_natively(function, padding.contiguous(), q_len)
         pad = padding.bool().cpu().numpy()
         batch, keys = pad.shape
         row, start, end = _runs(pad)
@@ -104,6 +113,23 @@ class Visible:
             row, start, end = row[kept], start[kept], end[kept]
         visible = cls.__new__(cls)
         visible._set(row, start, end, batch * q_len, pad[:, keys - q_len :].reshape(-1))
+        return visible
+
+
+    @classmethod
+    def _padded_natively(cls, function, padding: torch.Tensor, q_len: int) -> Visible:
+        """``padded`` in one native call (csrc/row_attention.cpp, ``padding_ranges``): the same ranges, offsets,
+        work and live rows, without the dozen array ops that follow a pass (and its cold caches) otherwise."""
+        batch, keys = padding.shape
+        rows = batch * q_len
+        ranges = torch.empty(rows * ((keys + 1) // 2), 2, dtype=torch.int64)
+        offsets, live = torch.empty(rows + 1, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
+        counts = (_I * 2)()
+        n = function(padding.data_ptr(), batch, keys, q_len, ranges.data_ptr(), offsets.data_ptr(), live.data_ptr(),
+                     counts)
+        visible = cls.__new__(cls)
+        visible.ranges, visible.offsets, visible.work = ranges[:n], offsets, counts[1]
+        visible.live = None if counts[0] == rows else live[: counts[0]]
         return visible
 
 

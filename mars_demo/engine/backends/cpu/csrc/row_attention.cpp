@@ -368,3 +368,39 @@ extern "C" int row_attention(
             ranges, offsets, scale};
   return attend_all(&c, threads);
 }
+
+// The visible ranges of a causal pass of q_len rows per sequence under a 2-D padding mask (rowattn.Visible.padded,
+// whose numpy steps it replaces: a batch's every pass builds them, and a dozen array ops after a pass that streamed
+// the weights through the caches cost more than the pass's attention steering needs). pad: (rows, keys), 1 where
+// a key is attended, 0 for a hole; row i of a sequence's pass sees its attended keys up to keys - q_len + i.
+// Writes ranges ([start, end) pairs, in row order), offsets (rows * q_len + 1), live (the pass rows whose own
+// column is attended, ascending) and counts (live rows, visible (row, key) pairs); returns the number of ranges.
+// ranges must have room for rows * q_len * ((keys + 1) / 2) pairs (rowattn.py keeps that under 2^31).
+extern "C" int padding_ranges(const int64_t* pad, int64_t rows, int64_t keys, int64_t q_len, int64_t* ranges,
+                                  int64_t* offsets, int64_t* live, int64_t* counts) {
+  int64_t n = 0, n_live = 0, work = 0;
+  offsets[0] = 0;
+  for (int64_t b = 0; b < rows; b++) {
+    const int64_t* row = pad + b * keys;
+    for (int64_t i = 0; i < q_len; i++) {
+      const int64_t cut = keys - q_len + i + 1;  // this row's own column is cut - 1
+      for (int64_t j = 0; j < cut;) {
+        if (!row[j]) {
+          j++;
+          continue;
+        }
+        const int64_t start = j;
+        while (j < cut && row[j]) j++;
+        ranges[2 * n] = start;
+        ranges[2 * n + 1] = j;
+        work += j - start;
+        n++;
+      }
+      offsets[b * q_len + i + 1] = n;
+      if (row[cut - 1]) live[n_live++] = b * q_len + i;
+    }
+  }
+  counts[0] = n_live;
+  counts[1] = work;
+  return (int)n;
+}
