@@ -173,22 +173,30 @@ def test_a_padding_mask_gives_the_ranges_of_transformers_4d_mask(q_len, holes):
 
 @needs_kernel
 @pytest.mark.parametrize("q_len", [1, 2, 5])
-def test_the_native_padding_ranges_are_the_numpy_ones(q_len, monkeypatch):
-    """``Visible.padded`` in one native call gives what its numpy steps give: runs cut at each row's own column,
-    rows that see nothing, holes inside a row and at its end, and the rows fed no token."""
-    assert rowattn.ranges_kernel() is not None
+def test_the_native_ranges_are_the_numpy_ones(q_len, monkeypatch):
+    """``Visible`` in one native call gives what its numpy steps give, from a 2-D padding mask and from a full mask:
+    runs cut at each row's own column, rows that see nothing, holes inside a row and at its end, and the rows fed no
+    token."""
+    assert rowattn.ranges_kernel("padding_ranges") is not None and rowattn.ranges_kernel("mask_ranges") is not None
     generator = torch.Generator().manual_seed(q_len)
+
+    def both(make, *args):
+        called = make(*args)
+        monkeypatch.setattr(rowattn, "ranges_kernel", lambda name: None)
+        stepped = make(*args)
+        monkeypatch.undo()
+        return called, stepped
+
     for trial in range(20):
         batch, keys = 1 + trial % 7, q_len + trial * 3
         padding = (torch.rand(batch, keys, generator=generator) > 0.25 + 0.05 * (trial % 4)).long()
         padding[0, :] = 1 if trial % 2 else 0  # a sequence that sees every key, or none
-        native = rowattn.Visible.padded(padding, q_len)
-        monkeypatch.setattr(rowattn, "ranges_kernel", lambda: None)
-        numpy = rowattn.Visible.padded(padding, q_len)
-        monkeypatch.undo()
-        assert torch.equal(native.ranges, numpy.ranges) and torch.equal(native.offsets, numpy.offsets), trial
-        assert native.work == numpy.work and (native.live is None) == (numpy.live is None), trial
-        assert numpy.live is None or torch.equal(native.live, numpy.live), trial
+        allowed = torch.rand(batch, q_len, keys, generator=generator) > 0.4
+        for called, stepped in (both(rowattn.Visible.padded, padding, q_len),
+                                both(lambda a: rowattn.Visible(None, allowed=a), allowed)):
+            assert torch.equal(called.ranges, stepped.ranges) and torch.equal(called.offsets, stepped.offsets), trial
+            assert called.work == stepped.work and (called.live is None) == (stepped.live is None), trial
+            assert stepped.live is None or torch.equal(called.live, stepped.live), trial
 
 
 def test_exact_modes_verifying_window_rows_equal_one_token_passes():

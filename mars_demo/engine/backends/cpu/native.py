@@ -40,7 +40,7 @@ FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-std=c++17")
 OWN_FLAGS = {"int8_linear": ("-ffp-contract=off",), "decoder": ("-ffp-contract=off",)}
 # A kernel whose source a bigger library includes, built with the same flags, is taken from that library:
 # the same code, one build fewer on a first start (decoder.cpp includes int8_linear.cpp).
-INCLUDED_IN = {"int8_linear": "decoder", "padding_ranges": "row_attention"}
+INCLUDED_IN = {"int8_linear": "decoder", "padding_ranges": "row_attention", "mask_ranges": "row_attention"}
 assert all(OWN_FLAGS.get(name) == OWN_FLAGS.get(big) for name, big in INCLUDED_IN.items())
 TUNE = ("-march=native",)  # dropped where the compiler refuses it
 # OpenMP for the kernels' threads. The library asks for libgomp.so.1, and the dynamic linker hands it

@@ -404,3 +404,31 @@ extern "C" int padding_ranges(const int64_t* pad, int64_t rows, int64_t keys, in
   counts[1] = work;
   return (int)n;
 }
+
+// The same from a full mask (rowattn.Visible from a 4-D mask: exact mode's fallback group, trees): allowed is
+// (rows * q_len, keys) bytes, nonzero where that row may see that key; a row's own column is keys - q_len + i.
+extern "C" int mask_ranges(const uint8_t* allowed, int64_t rows, int64_t keys, int64_t q_len, int64_t* ranges,
+                           int64_t* offsets, int64_t* live, int64_t* counts) {
+  int64_t n = 0, n_live = 0, work = 0;
+  offsets[0] = 0;
+  for (int64_t r = 0; r < rows * q_len; r++) {
+    const uint8_t* row = allowed + r * keys;
+    for (int64_t j = 0; j < keys;) {
+      if (!row[j]) {
+        j++;
+        continue;
+      }
+      const int64_t start = j;
+      while (j < keys && row[j]) j++;
+      ranges[2 * n] = start;
+      ranges[2 * n + 1] = j;
+      work += j - start;
+      n++;
+    }
+    offsets[r + 1] = n;
+    if (row[keys - q_len + r % q_len]) live[n_live++] = r;
+  }
+  counts[0] = n_live;
+  counts[1] = work;
+  return (int)n;
+}
