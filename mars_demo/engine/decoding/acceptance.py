@@ -16,7 +16,7 @@ argmax's; the probabilities agree with softmax's to float rounding.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from functools import lru_cache
 
 import torch
 
@@ -101,7 +101,7 @@ def accept_count(conf: torch.Tensor, tau: float, metric: str = "probability") ->
     return passing.long().cumprod(dim=-1).sum(dim=-1)
 
 
-@cache
+@lru_cache(maxsize=256)  # a serving policy's taus are many; a slider's, a few
 def _as_fp32(tau: float) -> float:
     return float(torch.tensor(tau, dtype=torch.float32))
 

@@ -103,7 +103,8 @@ class Visible:
         covers the cache and the pass: what transformers' 4-D mask says, without building it.
 
         Built from each sequence's runs of attended keys, found once, then cut at each row's own column (row i of
-        the pass sees keys up to keys - q_len + i): a batch's every pass does this, so it stays a few numpy ops.
+        the pass sees keys up to keys - q_len + i): a batch's every pass does this, so it is one native call where
+        the kernel builds (``_fill_natively``), else a few numpy ops.
         """
         function = ranges_kernel("padding_ranges")
         if function is not None and padding.dtype == torch.int64 and padding.device.type == "cpu":
@@ -123,7 +124,6 @@ class Visible:
         visible = cls.__new__(cls)
         visible._set(row, start, end, batch * q_len, pad[:, keys - q_len :].reshape(-1))
         return visible
-
 
     def _fill_natively(self, function, source: torch.Tensor, batch: int, keys: int, q_len: int) -> None:
         """ranges, offsets, work and live in one native call (csrc/row_attention.cpp: ``padding_ranges`` from a 2-D

@@ -49,7 +49,7 @@ static inline float dot(const float* q, const KV* k, int64_t d) {
 
 // While a block of eight keys is scored, the keys AHEAD positions on and the values of the eight are
 // asked for (prefetches: no bits change). A batch's rows each read their own keys and values, so at
-// 8 rows of a few hundred keys the cache is a quarter of the bytes a pass reads; read one short
+// 8 rows of a few hundred keys those are a quarter of the bytes a pass reads; read one short
 // stream after another they came at about half the rate the weights stream at. With both in flight
 // the value pass finds its values in L1 or L2.
 constexpr int64_t AHEAD = 32;
@@ -377,7 +377,7 @@ extern "C" int row_attention(
 // column is attended, ascending) and counts (live rows, visible (row, key) pairs); returns the number of ranges.
 // ranges must have room for rows * q_len * ((keys + 1) / 2) pairs (rowattn.py keeps that under 2^31).
 extern "C" int padding_ranges(const int64_t* pad, int64_t rows, int64_t keys, int64_t q_len, int64_t* ranges,
-                                  int64_t* offsets, int64_t* live, int64_t* counts) {
+                              int64_t* offsets, int64_t* live, int64_t* counts) {
   int64_t n = 0, n_live = 0, work = 0;
   offsets[0] = 0;
   for (int64_t b = 0; b < rows; b++) {
