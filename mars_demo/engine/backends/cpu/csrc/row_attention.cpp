@@ -369,6 +369,24 @@ extern "C" int row_attention(
   return attend_all(&c, threads);
 }
 
+// The runs of nonzero entries of row[0 .. end), appended to ranges as [start, stop) pairs (n of them so far);
+// their keys are added to work.
+template <typename T>
+static inline void append_runs(const T* row, int64_t end, int64_t* ranges, int64_t& n, int64_t& work) {
+  for (int64_t j = 0; j < end;) {
+    if (!row[j]) {
+      j++;
+      continue;
+    }
+    const int64_t start = j;
+    while (j < end && row[j]) j++;
+    ranges[2 * n] = start;
+    ranges[2 * n + 1] = j;
+    work += j - start;
+    n++;
+  }
+}
+
 // The visible ranges of a causal pass of q_len rows per sequence under a 2-D padding mask (rowattn.Visible.padded,
 // whose numpy steps it replaces: a batch's every pass builds them, and a dozen array ops after a pass that streamed
 // the weights through the caches cost more than the pass's attention steering needs). pad: (rows, keys), 1 where
@@ -380,26 +398,13 @@ extern "C" int padding_ranges(const int64_t* pad, int64_t rows, int64_t keys, in
                               int64_t* offsets, int64_t* live, int64_t* counts) {
   int64_t n = 0, n_live = 0, work = 0;
   offsets[0] = 0;
-  for (int64_t b = 0; b < rows; b++) {
-    const int64_t* row = pad + b * keys;
+  for (int64_t b = 0; b < rows; b++)
     for (int64_t i = 0; i < q_len; i++) {
       const int64_t cut = keys - q_len + i + 1;  // this row's own column is cut - 1
-      for (int64_t j = 0; j < cut;) {
-        if (!row[j]) {
-          j++;
-          continue;
-        }
-        const int64_t start = j;
-        while (j < cut && row[j]) j++;
-        ranges[2 * n] = start;
-        ranges[2 * n + 1] = j;
-        work += j - start;
-        n++;
-      }
+      append_runs(pad + b * keys, cut, ranges, n, work);
       offsets[b * q_len + i + 1] = n;
-      if (row[cut - 1]) live[n_live++] = b * q_len + i;
+      if (pad[b * keys + cut - 1]) live[n_live++] = b * q_len + i;
     }
-  }
   counts[0] = n_live;
   counts[1] = work;
   return (int)n;
@@ -412,21 +417,9 @@ extern "C" int mask_ranges(const uint8_t* allowed, int64_t rows, int64_t keys, i
   int64_t n = 0, n_live = 0, work = 0;
   offsets[0] = 0;
   for (int64_t r = 0; r < rows * q_len; r++) {
-    const uint8_t* row = allowed + r * keys;
-    for (int64_t j = 0; j < keys;) {
-      if (!row[j]) {
-        j++;
-        continue;
-      }
-      const int64_t start = j;
-      while (j < keys && row[j]) j++;
-      ranges[2 * n] = start;
-      ranges[2 * n + 1] = j;
-      work += j - start;
-      n++;
-    }
+    append_runs(allowed + r * keys, keys, ranges, n, work);
     offsets[r + 1] = n;
-    if (row[keys - q_len + r % q_len]) live[n_live++] = r;
+    if (allowed[r * keys + keys - q_len + r % q_len]) live[n_live++] = r;
   }
   counts[0] = n_live;
   counts[1] = work;
