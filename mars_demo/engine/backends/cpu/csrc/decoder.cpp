@@ -210,15 +210,18 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
     barrier();
     const Share attending{me.t, p.attention_threads < me.team ? p.attention_threads : me.team};
     if (me.t < attending.team) {
+      int64_t from, to;
 #if HALF_CACHE
       if (p.half_cache) {
         const CallOf<Half> c = attention_call<Half>(p, l, rect, L.qkv.out, act);
-        failed |= run_units(&c, unit_boundary(&c, me.t, attending.team), unit_boundary(&c, me.t + 1, attending.team));
+        unit_share(&c, me.t, attending.team, &from, &to);
+        failed |= run_units(&c, from, to);
       } else
 #endif
       {
         const CallOf<float> c = attention_call<float>(p, l, rect, L.qkv.out, act);
-        failed |= run_units(&c, unit_boundary(&c, me.t, attending.team), unit_boundary(&c, me.t + 1, attending.team));
+        unit_share(&c, me.t, attending.team, &from, &to);
+        failed |= run_units(&c, from, to);
       }
     }
     barrier();

@@ -318,30 +318,36 @@ static inline int64_t visible_keys(const CallOf<KV>* c, int64_t r) {
 // What a unit costs beyond its keys, counted in keys (its query, softmax and output).
 constexpr int64_t UNIT_KEYS = 16;
 
-// Where thread t of a team of n starts: the first unit before which the units' costs (their keys plus
-// UNIT_KEYS) reach t / n of the whole. Rows of one batch see different numbers of keys (prompts of
-// different lengths, a wide pass's masks), so an even split by count leaves one thread waiting.
+// Thread t's units [from, to) in a team of n: each boundary is the first unit before which the units' costs
+// (their keys plus UNIT_KEYS) reach that share of the whole, found in one scan. Rows of one batch see different
+// numbers of keys (prompts of different lengths, a wide pass's masks), so an even split by count leaves one
+// thread waiting.
 template <typename KV>
-static int64_t unit_boundary(const CallOf<KV>* c, int64_t t, int64_t n) {
+static void unit_share(const CallOf<KV>* c, int64_t t, int64_t n, int64_t* from, int64_t* to) {
   const int64_t group = c->heads / c->kv_heads, total = c->batch * c->rows * c->heads;
-  if (t <= 0) return 0;
-  if (t >= n) return total;
+  *from = t <= 0 ? 0 : total;
+  *to = total;
+  if (t <= 0 && t + 1 >= n) return;
   int64_t whole = 0;
   for (int64_t r = 0; r < c->batch * c->rows; r++) whole += (visible_keys(c, r) + UNIT_KEYS) * c->heads;
-  const int64_t goal = whole * t / n;
+  const int64_t first_goal = whole * t / n, last_goal = whole * (t + 1) / n;
+  bool started = t <= 0;
   int64_t sum = 0, u = 0;
   for (int64_t sg = 0; sg < c->batch * c->kv_heads; sg++)  // units in their order: (b, g), then i, then j
     for (int64_t i = 0; i < c->rows; i++) {
       const int64_t cost = visible_keys(c, sg / c->kv_heads * c->rows + i) + UNIT_KEYS;
       for (int64_t j = 0; j < group; j++, u++) {
-        if (sum >= goal) return u;
+        if (!started && sum >= first_goal) *from = u, started = true;
+        if (t + 1 < n && sum >= last_goal) {
+          *to = u;
+          return;
+        }
         sum += cost;
       }
     }
-  return total;
 }
 
-// All units of c, split by their cost (unit_boundary) over up to `threads` of torch's OpenMP threads.
+// All units of c, split by their cost (unit_share) over up to `threads` of torch's OpenMP threads.
 static int attend_all(const CallOf<float>* c, int64_t threads) {
   const int64_t total = c->batch * c->rows * c->heads;
   if (threads > total) threads = total;
@@ -350,8 +356,9 @@ static int attend_all(const CallOf<float>* c, int64_t threads) {
   if (threads > 1) {
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      failed |= run_units(c, unit_boundary(c, t, n), unit_boundary(c, t + 1, n));
+      int64_t from, to;
+      unit_share(c, omp_get_thread_num(), omp_get_num_threads(), &from, &to);
+      failed |= run_units(c, from, to);
     }
     return failed;
   }
