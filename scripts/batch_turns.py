@@ -2,7 +2,7 @@
 
 Each turn decodes every prompt in static batches of ``--batch`` rows once with every method, the order
 reversed every other turn, and each method's ratio to the first (batched AR) is taken within the turn;
-the median over turns is printed. ``bench`` runs each batch size's methods group by group, so a ratio
+the median over turns is printed. Every method first runs once on the first batch, untimed. ``bench`` runs each batch size's methods group by group, so a ratio
 there can read 5-10% apart between runs of the same code as the VM's phase moves (BENCHMARKS.md,
 "Many requests at once"); here the methods share each phase.
 
@@ -32,24 +32,28 @@ def main() -> None:
                         help="mode[:tau], the first the reference")
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--precision", default="int8dyn")
+    parser.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: the loader's choice)")
+    parser.add_argument("--precision", default="int8dyn", help="int8dyn here; auto on a GPU")
+    parser.add_argument("--model", default=None, help="default: the bundled model")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    lm = load_model(None, precision=args.precision)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model, precision=args.precision)
     with open(args.prompts) as f:
-        prompts = [prompt_ids(lm.tokenizer, text) for text in json.load(f)]
+        prompts = [prompt_ids(lm.tokenizer, text) for text in json.load(f)[: args.limit]]
     methods = args.methods.split(",")
     seconds: dict[str, list[float]] = {m: [] for m in methods}
-    for turn in range(args.turns):
+    for turn in range(-1, args.turns):  # turn -1: every method once on the first batch, untimed (warm-up)
         for method in methods if turn % 2 == 0 else methods[::-1]:
             mode, tau = (method.split(":") + ["1.0"])[:2]
             config = DecodeConfig(mode=mode, tau=float(tau), max_new_tokens=args.max_new_tokens)
             started = time.perf_counter()
-            for i in range(0, len(prompts), args.batch):
+            for i in range(0, len(prompts) if turn >= 0 else 1, args.batch):
                 for _ in stream_batch_ids(lm, prompts[i : i + args.batch], config, scheme="token"):
                     pass
-            seconds[method].append(time.perf_counter() - started)
+            if turn >= 0:
+                seconds[method].append(time.perf_counter() - started)
     reference = seconds[methods[0]]
     for method in methods:
         ratios = [r / s for r, s in zip(reference, seconds[method])]

@@ -36,11 +36,13 @@ if [ "${QUICK:-0}" = 1 ]; then
     train_size=(--max-rows 8 --max-steps 2 --batch-size 2 --val-rows 2 --save-every 1)
     bench_size=(--limit 1 --max-new-tokens 8 --batch-sizes 1,2)
     sim_size=(--requests 3 --max-new-tokens 8)
+    turns_size=(--limit 2 --turns 2 --max-new-tokens 8 --precision fp32)
     device=(--device cpu)
 else
     train_size=(--epochs "${EPOCHS:-3}" --batch-size "${BATCH:-16}" --lr "${LR:-6e-4}" --save-every 100 --val-every 400)
     bench_size=(--limit 4 --max-new-tokens 64 --batch-sizes 1,2,4,8)  # an eager pass takes ~20 ms on an H200
     sim_size=(--requests 60 --max-new-tokens 64)
+    turns_size=(--limit 4 --turns 6 --max-new-tokens 64 --precision auto)
     device=()
 fi
 model=$runs/gpu
@@ -55,11 +57,16 @@ step "serve-sim measured" 30 $py -m mars_demo serve-sim --model "$model" --rate 
 step "serve-sim exact" 30 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
     --policies fixed:1.0 --arrivals poisson --mode exact --no-quality --clock measured \
     "${sim_size[@]}" --out "$OUT/small/serve-exact"
-# 3. single-sequence and batch speed
+# 3. methods in turns in one process (session 28: a process's first ~35 s of passes ran 1.6-2.3x slow)
+for rows in 1 4; do
+    step "turns at $rows rows" 25 env PYTHONPATH=".:$PYTHONPATH" $py scripts/batch_turns.py --model "$model" --prompts assets/data/heldout_varied32.json \
+        --batch $rows --methods ar,exact,mars:0.9 "${turns_size[@]}"
+done
+# 4. single-sequence and batch speed
 step bench 50 $py -m mars_demo bench --model "$model" --prompts assets/data/heldout_varied32.json --taus 0.9 \
     --methods hf_generate,ar,mars,mars_exact,ar_batch_ours,mars_batch_token,exact_batch "${bench_size[@]}" \
     "${device[@]}" --out "$OUT/small/bench-eager.json"
-# 4. the compiled path (CUDA graphs)
+# 5. the compiled path (CUDA graphs)
 [ "${QUICK:-0}" = 1 ] || step compiled 90 $py -m mars_demo bench --model "$model" \
     --prompts assets/data/heldout_varied32.json --taus 0.9 --methods ar,mars,mars_exact "${bench_size[@]}" \
     --batch-sizes 1 --compile --out "$OUT/small/bench-compiled.json"

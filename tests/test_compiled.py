@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from mars_demo.engine.backends.hf import HFCache, TransformersBackend, compile_passes
+from mars_demo.engine.backends.hf import STATIC_CACHE_STEP, HFCache, TransformersBackend, compile_passes
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import collect, generate
 from mars_demo.engine.model import LoadedModel
@@ -49,11 +49,26 @@ def test_compiled_decodes_like_eager(pair, name):
             assert a.confidences == pytest.approx(b.confidences, rel=1e-5, abs=1e-6)
 
 
+def test_prompts_of_different_lengths_share_the_compiled_graphs(pair):
+    from torch._dynamo.utils import counters
+
+    _, compiled = pair
+    config = CONFIGS["ar"]
+    lengths = [len(compiled.tokenizer(p)["input_ids"]) for p in PROMPTS[:3]]
+    assert len(set(lengths)) > 1  # the point: static caches asked for with different lengths
+    collect(generate(compiled, PROMPTS[0], config))
+    graphs = counters["stats"]["unique_graphs"]
+    for prompt in PROMPTS[1:3]:
+        collect(generate(compiled, prompt, config))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_static_cache_only_when_compiled(pair):
     plain, compiled = pair
     assert isinstance(plain.backend, TransformersBackend) and plain.backend.compiled is None
     assert isinstance(plain.backend.new_cache(32).inner, DynamicCache)
-    assert isinstance(compiled.backend.new_cache(32).inner, StaticCache)
+    static = compiled.backend.new_cache(32).inner
+    assert isinstance(static, StaticCache) and static.get_max_length() % STATIC_CACHE_STEP == 0
     assert isinstance(compiled.backend.new_cache().inner, DynamicCache)  # no size: verifying passes
 
 

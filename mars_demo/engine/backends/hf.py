@@ -9,7 +9,8 @@ afterwards. A dynamic cache crops them; a static one moves its write position ba
 entries stay in memory, the next pass overwrites them from that position on, and any left beyond its
 window sit at positions later than every query, which the causal mask hides. So the static cache
 feeds the model exactly what the dynamic one does. The prefill and verifying passes (4-D masks,
-drafts) stay eager, on a dynamic cache. Compiled graphs are per pass width.
+drafts) stay eager, on a dynamic cache. Compiled graphs are per pass width and cache length, so the
+static cache's length is rounded up to ``STATIC_CACHE_STEP``: prompts of different lengths share graphs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from .base import Backend, KVCache, check_compaction, left_holes
 from .placement import input_device
+
+STATIC_CACHE_STEP = 256  # a static cache's length is a multiple of this (one graph for many prompt lengths)
+RECOMPILE_LIMIT = 64  # graphs dynamo keeps for the forward: pass widths x cache lengths (its default, 8, is too few)
 
 
 class HFCache(KVCache):
@@ -85,6 +89,7 @@ class TransformersBackend(Backend):
 
     def new_cache(self, length: int | None = None) -> HFCache:
         if self.compiled is not None and length is not None:
+            length = -(-length // STATIC_CACHE_STEP) * STATIC_CACHE_STEP
             return HFCache(StaticCache(config=self.model.config, max_cache_len=length))
         return HFCache(DynamicCache(config=self.model.config))
 
@@ -100,5 +105,7 @@ class TransformersBackend(Backend):
 
 def compile_passes(model: PreTrainedModel, *, backend: str = "inductor", mode: str | None = None, compute=None):
     """A TransformersBackend whose steady passes run ``torch.compile``d; ``mode="reduce-overhead"`` adds CUDA graphs."""
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     compiled = torch.compile(model.forward, backend=backend, mode=mode, dynamic=False)
     return TransformersBackend(model, compute, compiled)
