@@ -2,9 +2,10 @@
 
 Each turn decodes every prompt in static batches of ``--batch`` rows once with every method, the order
 reversed every other turn, and each method's ratio to the first (batched AR) is taken within the turn;
-the median over turns is printed. Every method first runs once on the first batch, untimed. ``bench`` runs each batch size's methods group by group, so a ratio
-there can read 5-10% apart between runs of the same code as the VM's phase moves (BENCHMARKS.md,
-"Many requests at once"); here the methods share each phase.
+the median over turns is printed. Every method first runs once on the first batch, untimed. ``bench``
+runs each batch size's methods group by group, so a ratio there can read 5-10% apart between runs of
+the same code as the VM's phase moves (BENCHMARKS.md, "Many requests at once"); here the methods share
+each phase.
 
     PYTHONPATH=. python scripts/batch_turns.py --batch 8 --methods ar,mars:0.9,exact --turns 6
 """
