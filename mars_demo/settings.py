@@ -341,6 +341,10 @@ HALF_CACHE = _declare(
     "MARS_DEMO_HALF_CACHE", SWITCH, True,
     "int8dyn's native decoder keeps keys and values as fp16 (llama.cpp's default): half the bytes each pass reads; "
     "off: fp32", "engine")
+PREFIXES = _declare(
+    "MARS_DEMO_PREFIXES", SWITCH, True,
+    "a prefill starts from the stored keys and values of a prompt prefix it shares (int8 paths: same bits); "
+    "off: every prefill feeds its whole prompt", "engine")
 ROWATTN = _declare(
     "MARS_DEMO_ROWATTN", SWITCH, True, "the native attention of a padded batch; off: SDPA row by row", "engine")
 INT8GEMM = _declare("MARS_DEMO_INT8GEMM", SWITCH, True, "the native int8 GEMM; off: fbgemm", "engine")

@@ -267,6 +267,8 @@ def machine(lm: LoadedModel) -> dict:
         "dtype": str(model.dtype).removeprefix("torch."),
         "backend": type(backend).__name__,
         "attention": backend.lean.attention if isinstance(backend, CpuBackend) else model.config._attn_implementation,
+        # prefills start from stored prompt prefixes (backends/cpu/prefixes.py): every method alike
+        "prefix_reuse": isinstance(backend, CpuBackend) and backend.prefixes is not None,
         "compute_path": compute.record() if compute is not None else None,
         "cost_surface": surface.record() if (surface := known_surface(lm)) is not None else None,
     }
