@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import KVCache, check_compaction, left_holes
+from ..base import KVCache, check_compaction
 
 SLACK = 256  # columns a buffer is allocated beyond what it holds (and at least half as many again)
 
@@ -107,11 +107,14 @@ class CpuCache(KVCache):
         rows = sum(part.buffers[0][0].shape[0] for part in parts)
         spare = max(2, rows // 2) if self.buffers else 0
 
-        def joined(layer: int, i: int) -> torch.Tensor:
-            held = torch.cat([left_holes(part.buffers[layer][i][:, :, : part.end], width) for part in parts])
-            if spare:
-                held = torch.cat([held, held.new_zeros((spare, *held.shape[1:]))])
-            return _with_room(held, width)
+        def joined(layer: int, i: int) -> torch.Tensor:  # each part copied once, into its rows' place
+            first = parts[0].buffers[layer][i]
+            base = first.new_empty((rows + spare, first.shape[1], width + max(SLACK, width // 2), first.shape[-1]))
+            at = 0
+            for part in parts:
+                at = _place(base, at, part.buffers[layer][i], part.end, width)
+            base[rows:, :, :width].zero_()
+            return base
 
         self.bases = [(joined(layer, 0), joined(layer, 1)) for layer in range(self.layers)]
         self.buffers = [(k[:rows], v[:rows]) for k, v in self.bases]
@@ -127,11 +130,7 @@ class CpuCache(KVCache):
             for i, base in enumerate(pair):
                 at = rows
                 for other in others:
-                    theirs = other.buffers[layer][i]
-                    n, holes = theirs.shape[0], width - other.end
-                    base[at : at + n, :, :holes].zero_()
-                    base[at : at + n, :, holes:width].copy_(theirs[:, :, : other.end])
-                    at += n
+                    at = _place(base, at, other.buffers[layer][i], other.end, width)
         self.buffers = [(k[: rows + joining], v[: rows + joining]) for k, v in self.bases]
         return True
 
@@ -152,6 +151,15 @@ class CpuCache(KVCache):
                 k[:, :, start : start + len(columns)] = k.index_select(2, index)  # a copy first: overlap is safe
                 v[:, :, start : start + len(columns)] = v.index_select(2, index)
         self.end = start + len(columns)
+
+
+def _place(base: torch.Tensor, at: int, theirs: torch.Tensor, end: int, width: int) -> int:
+    """``theirs``'s ``end`` columns into rows ``at``... of ``base``, ending at column ``width`` with holes (zeros) on
+    their left; the row after them."""
+    n, holes = theirs.shape[0], width - end
+    base[at : at + n, :, :holes].zero_()
+    base[at : at + n, :, holes:width].copy_(theirs[:, :, :end])
+    return at + n
 
 
 def moves_in_place(order: list[int], rows: int) -> bool:
