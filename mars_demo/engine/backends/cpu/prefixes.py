@@ -47,12 +47,12 @@ class PrefixStore:
 
     def fill(self, ids: torch.Tensor, cache: CpuCache, keep: int) -> int:
         """Copy the longest stored prefix ``ids`` (1, n) starts with into the empty ``cache``, leaving at least
-        ``keep`` tokens to feed; how many tokens it holds now (0: none stored, the prefill feeds them all)."""
+        ``keep`` (>= 1) tokens to feed; how many tokens it holds now (0: none stored, the prefill feeds them all)."""
         row = ids[0]
         with self.lock:
             best, use = None, 0
             for key, entry in self.entries.items():
-                shared = min(shared_length(entry[0], row), row.numel() - max(keep, 1))
+                shared = min(shared_length(entry[0], row), row.numel() - keep)
                 if shared > use:
                     best, use = key, shared
             if use < MIN_SHARED:
@@ -81,8 +81,3 @@ class PrefixStore:
             self.entries[tuple(row[:shared].tolist())] = (row[:shared].clone(), layers)
             while len(self.entries) > ENTRIES:
                 self.entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.entries.clear()
-            self.last = None
