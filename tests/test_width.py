@@ -277,6 +277,27 @@ def test_rows_that_join_a_priced_batch_decode_as_alone_at_their_widths(tiny_llam
         assert s.token_ids == alone_at(tiny_llama, s.request.prompt, s.trace, max_new=12)
 
 
+def test_newcomers_draft_in_their_prefill_only_where_the_batch_they_join_would_verify(tiny_llama):
+    """A request prefilled alone feeds a group of masks (the first drafts) where drafting pays at one row; one
+    that joins a running batch prices them at the rows it will be verified among, where here they do not pay."""
+    alone_free = Surface.from_cost(lambda r, w: 10.0 + (0.0 if r == 1 else 5.0 * r * (w - 1)), rows=ROWS,
+                                   widths=WIDTHS, name="free alone", simulated=False)
+    loop = ServingLoop(
+        tiny_llama.backend, mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id,
+        stop_ids=set(), policy=parse_policy("fixed:1.0"), surface=alone_free,
+        config=ServeConfig(mode="exact", max_batch=4, max_new_tokens=24),
+        pass_cost=lambda rows, width, kind, measured: alone_free.ms(rows, width) / 1000,
+    )
+    ids = _ids(tiny_llama)
+    events = list(loop.run([Request(0, tuple(ids[0]), 0.0)] + [Request(i, tuple(p), 0.011 * i)
+                                                                for i, p in enumerate(ids[1:], 1)]))
+    joined = {i for e in events if e.running > len(e.admitted) for i in e.admitted}
+    prefill = {i: s.trace[0] for i, s in loop.served.items()}
+    assert all(p.kind == "prefill" for p in prefill.values())
+    assert prefill[0].width > 1 and joined  # alone: masks after the prompt
+    assert all(prefill[i].width == 1 for i in joined)
+
+
 def test_single_sequence_mars_prices_its_width_on_the_measured_curve(tiny_llama, monkeypatch):
     from mars_demo.engine.backends.cpu.paths import ComputePath
     from mars_demo.engine.decoding.loop import collect, generate

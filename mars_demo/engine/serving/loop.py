@@ -261,6 +261,7 @@ class ServingLoop:
         for i in ids:
             self.served[i].status, self.served[i].admitted = "running", self.clock
         newcomers = self._new_batch([self.served[i].request.prompt for i in ids])
+        newcomers.joins = len(self.rows)  # the running rows: its prefill's drafts are for passes among them
         steps, _ = self._guarded(lambda: newcomers.step(tau), ids, len(ids), "prefill")
         if steps is None:
             return

@@ -185,6 +185,7 @@ class TokenBatch:
         # verifying: the share of drafts held, from what earlier batches on this surface showed
         self.depths = exact.DraftDepth(block_size - 1, None, self.controller.start_drafts(block_size - 1))
         self.passes = 0
+        self.joins = 0  # rows of a running batch these join after their prefill (a server's newcomers: ``_depth``)
 
     @torch.inference_mode()
     def step(self, tau: float) -> tuple[list[RowStep], int]:
@@ -204,7 +205,8 @@ class TokenBatch:
                 )
             else:  # nothing to verify and no masks: a plain AR pass, without the verifying pass's 4-D mask
                 steps, fed = self._window_pass(1.0)
-                steps = [replace(step, origins=(exact.AR,) * len(step.token_ids)) for step in steps]
+                for r in self.active:  # the others' steps are empty (a server's book holds every row it has run)
+                    steps[r] = replace(steps[r], origins=(exact.AR,) * len(steps[r].token_ids))
             for r, count in drafted.items():
                 held = sum(o == exact.DRAFT for o in steps[r].origins)
                 self.depths.observe(count, held)
@@ -223,13 +225,14 @@ class TokenBatch:
         expected tokens per ms at this many rows (exact.DraftDepth; hybrid passes keep the fallback group, whose
         masks it may accept, as one sequence's do).
 
-        The prefill feeds a full group of masks, the first drafts, where drafting pays at this many rows, and
-        none where it does not (they would draft for passes that verify nothing).
+        The prefill feeds a full group of masks, the first drafts, where drafting pays at the rows they will be
+        verified among (``joins`` more for a server's newcomers), and none where it does not (they would draft
+        for passes that verify nothing).
         """
         surface, most = self.controller.surface, self.B - 1
         if surface is None:
             return most, True
-        rows, depths = len(self.active), self.depths
+        rows, depths = len(self.active) + (0 if self.passes else self.joins), self.depths
         # the surface's prices against the passes seen at this many rows (WidthController.passed)
         scale = self.controller.prices.of(rows)
         depths.costs, depths.rows = {w: surface.ms(rows, w) * scale[w > 1] for w in range(1, 3 * most + 2)}, rows
