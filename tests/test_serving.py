@@ -125,6 +125,28 @@ def test_verifying_modes_join_as_alone(tiny_qwen, mode):
             assert {p.tau for p in s.trace} == {1.0}
 
 
+@pytest.mark.parametrize("mode", ["mars", "exact"])
+def test_a_batch_that_never_empties_forgets_its_finished_rows(tiny_qwen, monkeypatch, mode):
+    """Arrivals that keep the batch running: its book is forgotten down to the live rows now and then, and every
+    request still decodes as it would alone."""
+    import mars_demo.engine.serving.loop as serving
+
+    monkeypatch.setattr(serving, "FORGET_AFTER", 3)
+    loop = make_loop(tiny_qwen, "fixed:0.15", mode=mode, max_new=8)
+    texts = TEXTS * 3
+    reqs = [Request(i, tuple(prompt_ids(tiny_qwen.tokenizer, t)), 0.02 * i) for i, t in enumerate(texts)]
+    books, batches = [], set()
+    for event in loop.run(reqs):
+        if loop.batch is not None:
+            books.append(len(loop.batch.book.produced))
+            batches.add(id(loop.batch))
+    assert len(batches) == 1  # one batch ran all the way
+    assert max(books) < 3 + loop.config.max_batch + 1 < len(texts)
+    for s in loop.served.values():
+        assert s.status == "done"
+        assert s.token_ids == alone(tiny_qwen, s.request.prompt, [p.tau for p in s.trace], mode=mode, max_new=8)
+
+
 def test_tau_one_is_greedy_ar(tiny_llama):
     _, served = replay(make_loop(tiny_llama, "fixed:1.0", max_batch=2), requests(tiny_llama))
     for s in served.values():

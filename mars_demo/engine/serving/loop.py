@@ -56,6 +56,7 @@ from ..decoding.width import WidthController
 from .policies import ENDINGS, RECENT, Load, Policy
 
 PassCost = Callable[[int, int, str, float], float]  # (rows, columns per row, "prefill" | "decode", measured s) -> s
+FORGET_AFTER = 64  # finished rows a running batch's book may hold before it forgets them (TokenBatch.compact)
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,9 @@ class ServingLoop:
             return 0, 0, list(rows.values())
         ended = self._record(rows, steps, "decode", tau, self.batch)
         self.batch.kv.trim()
+        if len(self.batch.book.produced) - len(self.rows) >= FORGET_AFTER:  # a batch that never empties
+            moved = self.batch.compact()
+            self.rows = {moved[r]: i for r, i in self.rows.items()}
         return width, sum(len(steps[r].token_ids) for r in rows), ended
 
     def _guarded(self, run_pass: Callable, ids: list[int], rows: int, kind: str):

@@ -283,6 +283,13 @@ class RowBook:
             self.seconds[r] = self.total_seconds
         self._in_pass = []
 
+    def keep_only(self, rows: list[int]) -> None:
+        """Forget every row but ``rows``, which become rows 0, 1, ... in that order (a long-lived server's batch
+        whose finished rows would otherwise pile up: TokenBatch.compact). The totals stay."""
+        for name in ("produced", "finish", "passes", "seconds", "limits"):
+            values = getattr(self, name)
+            setattr(self, name, [values[r] for r in rows])
+
     def stats(self) -> BatchStats:
         rows = tuple(
             RunStats(self.produced[r], self.passes[r], self.seconds[r], self.finish[r] or "length")

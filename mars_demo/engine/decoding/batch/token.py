@@ -32,6 +32,7 @@ from ..width import GAIN, Hits, WidthController
 from .events import BatchEvent, RowStep
 from .rows import BatchSpec, PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
+PER_ROW = ("pending", "next_pos", "drafts", "proposals", "history", "hits")  # TokenBatch's lists by book row
 
 def slide(
     pending: list[list[int]], next_pos: list[int], rooms: list[int], widths: list[int], mask_id: int, pad_id: int
@@ -283,7 +284,7 @@ class TokenBatch:
             return []
         first = self.book.extend(other.book, live)
         rows = list(range(first, first + len(live)))
-        for name in ("pending", "next_pos", "drafts", "proposals", "history", "hits"):
+        for name in PER_ROW:
             getattr(self, name).extend(getattr(other, name)[r] for r in live)
         if self.active:
             self.kv.merge(other.kv)
@@ -291,6 +292,18 @@ class TokenBatch:
             self.kv = other.kv
         self.active += rows
         return rows
+
+    def compact(self) -> dict[int, int]:
+        """Forget the finished rows (book and per-row state): the live rows become 0, 1, ... in their cache order,
+        which stays; returns {old book row: new}. A server's batch that never empties calls it now and then, or
+        its book would grow with every request it has run (and each pass's steps with it)."""
+        live = list(self.active)
+        for name in PER_ROW:
+            values = getattr(self, name)
+            setattr(self, name, [values[r] for r in live])
+        self.book.keep_only(live)
+        self.active = list(range(len(live)))
+        return {old: new for new, old in enumerate(live)}
 
     def end(self, row: int, reason: str) -> None:
         """Take a live row out of the batch now (a stopped request); it stays finished with ``reason``."""
