@@ -167,7 +167,7 @@ class Schedule(WidthController):
         super().__init__(FREE, 4)
         self.widths, self.calls = widths, 0
 
-    def choose(self, rows, caps, tau, fed=None):
+    def choose(self, rows, caps, tau, fed=None, joins=0):
         self.calls += 1
         return self.widths[(self.calls - 1) % len(self.widths)]
 
@@ -382,6 +382,19 @@ def test_masks_beside_a_prompt_are_fed_where_their_tokens_are_worth_what_they_ad
     # (priced as a pass's rate, a column beside 60 costs 1.6%: the prefill used to feed every mask here)
     controller, rows = rows_holding(0.9)  # nine in ten hold: the masks bring more than they add
     assert controller.choose(rows, [9] * 8, 0.9, fed=60) > 1 and controller.last[1] > 1.0
+
+
+def test_a_newcomers_prefill_masks_are_valued_at_the_rows_it_joins():
+    """A token is worth less time among 8 decoding rows than alone: masks that pay beside a lone row's prompt do
+    not pay in the prefill of a row that joins 7 running ones."""
+    steep = Surface.from_cost(lambda r, w: 5.0 + 1.0 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(steep, 4)
+    row = controller.new_row(0.9)
+    random.seed(0)
+    for _ in range(400):
+        controller.observe(row, 0.9, 3, int(random.random() < 0.6) * 3)
+    assert controller.choose([row], [9], 0.9, fed=60) > 1
+    assert controller.choose([row], [9], 0.9, fed=60, joins=7) == 1
 
 
 def test_a_width_1_choice_nothing_came_near_stands_until_a_row_shows_something():

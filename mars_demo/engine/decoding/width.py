@@ -264,9 +264,11 @@ class WidthController:
         if drafted and self.drafts is not None:  # a row with no drafts shows nothing about them
             self.drafts.observe(drafted, held)
 
-    def choose(self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None) -> int:
+    def choose(
+        self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None, joins: int = 0
+    ) -> int:
         """The width of the next pass: 1 at tau = 1.0, else the best rate; in a prefill (``fed``: the longest
-        prompt) the masks that are worth more than they add (``prefill``).
+        prompt) the masks that are worth more than they add (``prefill``; ``joins``: running rows these join).
 
         Where width 1 won and no width came near it, the choice stands for the next passes over the same rows at
         the same tau until a row has shown something, a row has idled RECHECK passes (its share has relaxed
@@ -280,7 +282,7 @@ class WidthController:
         elif self.surface is None:
             self.last = (self.most, math.inf)
         elif fed is not None:
-            self.last = self.prefill(rows, caps, fed)
+            self.last = self.prefill(rows, caps, fed, joins)
         elif not self._settled(rows, tau):
             rates = self.rates(rows, caps)
             wide = max((w for w in rates if w > 1), key=lambda w: (rates[w], -w), default=1)
@@ -300,13 +302,15 @@ class WidthController:
         """Whether the last width-1 choice stands for these rows (``choose``)."""
         return self.settled == self._standing(rows, tau) and all(h.idle < self.RECHECK for h in rows)
 
-    def prefill(self, rows: Sequence[Hits], caps: Sequence[int], fed: int) -> tuple[int, float]:
+    def prefill(self, rows: Sequence[Hits], caps: Sequence[int], fed: int, joins: int = 0) -> tuple[int, float]:
         """(width, gain) of a prefill of ``fed`` columns: its masks are a one-off, each worth the tokens it is
-        expected to commit at what a token will cost once decoding (the best steady rate's ms a token), against
-        the ms they add to the prefill. Priced as a pass's rate instead, masks beside a long prompt always looked
-        free, and at 8 rows on a 2-core CPU they cost more than the tokens they brought."""
+        expected to commit at what a token will cost once decoding (the best steady rate's ms a token, among the
+        ``joins`` running rows these rows join too, taken to accept as they do), against the ms they add to the
+        prefill. Priced as a pass's rate instead, masks beside a long prompt always looked free, and at 8 rows on a
+        2-core CPU they cost more than the tokens they brought."""
         reach = [h.reach(self.most) for h in rows]
-        per_token, scale = 1.0 / max(self._rates(reach, caps).values()), self.prices.of(len(rows))
+        among = (reach + reach[:1] * joins, list(caps) + [self.most] * joins)
+        per_token, scale = 1.0 / max(self._rates(*among).values()), self.prices.of(len(rows))
         base = self.surface.ms(len(rows), fed) * scale[fed > 1]
         best, value = 1, 0.0
         for width in range(2, self.most + 1):

@@ -186,7 +186,8 @@ class TokenBatch:
         # verifying: the share of drafts held, from what earlier batches on this surface showed
         self.depths = exact.DraftDepth(block_size - 1, None, self.controller.start_drafts(block_size - 1))
         self.passes = 0
-        self.joins = 0  # rows of a running batch these join after their prefill (a server's newcomers: ``_depth``)
+        self.joins = 0  # rows of a running batch these join after their prefill (a server's newcomers): its
+        # masks and drafts are priced at the rows they will decode among
 
     @torch.inference_mode()
     def step(self, tau: float) -> tuple[list[RowStep], int]:
@@ -256,7 +257,7 @@ class TokenBatch:
             self.hits[r] = self.hits[r] or controller.new_row(tau)
         hits = [self.hits[r] for r in active]
         prompt = max(len(self.pending[r]) for r in active) if not self.passes else None  # the prefill's columns
-        width = controller.choose(hits, rooms, tau, prompt)
+        width = controller.choose(hits, rooms, tau, prompt, self.joins)
         widths = [max(1, min(width, room)) for room in rooms]
         window = slide([self.pending[r] for r in active], [self.next_pos[r] for r in active], rooms, widths,
                        self.mask_id, self.pad_id)
