@@ -34,6 +34,7 @@ from .rows import BatchSpec, PaddedCache, RowBook, Window, left_pad, limit_new_t
 
 PER_ROW = ("pending", "next_pos", "drafts", "proposals", "history", "hits")  # TokenBatch's lists by book row
 
+
 def slide(
     pending: list[list[int]], next_pos: list[int], rooms: list[int], widths: list[int], mask_id: int, pad_id: int
 ) -> Window:
@@ -186,8 +187,8 @@ class TokenBatch:
         # verifying: the share of drafts held, from what earlier batches on this surface showed
         self.depths = exact.DraftDepth(block_size - 1, None, self.controller.start_drafts(block_size - 1))
         self.passes = 0
-        self.joins = 0  # rows of a running batch these join after their prefill (a server's newcomers): its
-        # masks and drafts are priced at the rows they will decode among
+        self.joins = 0  # rows of a running batch these join after their prefill (a server's newcomers): their
+        # prefill's masks and drafts are priced at the rows they will decode among
 
     @torch.inference_mode()
     def step(self, tau: float) -> tuple[list[RowStep], int]:
