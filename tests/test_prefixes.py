@@ -11,9 +11,8 @@ from mars_demo.engine.backends.cpu.paths import convert, token_ids
 from mars_demo.engine.backends.cpu.prefixes import MIN_SHARED, PrefixStore, shared_length
 from mars_demo.engine.decoding.batch import collect_batch, stream_batch_ids
 from mars_demo.engine.decoding.config import DecodeConfig
-from mars_demo.engine.decoding.loop import collect, eos_ids, stream_ids
-from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
-from mars_demo.engine.serving.policies import parse_policy
+from mars_demo.engine.decoding.loop import collect, stream_ids
+from mars_demo.engine.serving.loop import Request
 
 from conftest import PROMPTS, make_lm
 
@@ -55,11 +54,9 @@ def test_prefills_from_a_stored_prefix_decode_bit_for_bit(on_path):
 
 def _served(lm) -> list[list[int]]:
     """Requests with one opening arriving while others decode: each joins a running batch alone."""
-    loop = ServingLoop(
-        lm.backend, mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id,
-        stop_ids=eos_ids(lm.backend, lm.tokenizer), config=ServeConfig(mode="mars", max_batch=3, max_new_tokens=12),
-        policy=parse_policy("fixed:0.7"), pass_cost=lambda rows, width, kind, measured: 0.01 + 0.001 * rows * width,
-    )
+    from test_serving import make_loop
+
+    loop = make_loop(lm, "fixed:0.7", max_batch=3, max_new=12)
     requests = [Request(i, tuple(OPENING + tail), 0.03 * i) for i, tail in enumerate(TAILS)]
     list(loop.run(requests))
     return [loop.served[i].token_ids for i in range(len(TAILS))]

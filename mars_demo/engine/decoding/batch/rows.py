@@ -232,6 +232,8 @@ def limit_new_tokens(
 class RowBook:
     """Host-side account of every row: tokens produced, whether and why it finished, its passes and time."""
 
+    PER_ROW = ("produced", "finish", "passes", "seconds", "limits")  # its lists by row
+
     def __init__(self, rows: int, max_new_tokens: int, stop_ids: set[int]) -> None:
         self.max_new_tokens = max_new_tokens
         self.limits = [max_new_tokens] * rows  # per row: rows that join later bring their own
@@ -264,7 +266,7 @@ class RowBook:
     def extend(self, other: RowBook, rows: list[int]) -> int:
         """Take over ``other``'s ``rows`` (a batch that joins this one); returns the first new index."""
         first = len(self.produced)
-        for name in ("produced", "finish", "passes", "seconds", "limits"):
+        for name in self.PER_ROW:
             getattr(self, name).extend(getattr(other, name)[r] for r in rows)
         return first
 
@@ -286,7 +288,7 @@ class RowBook:
     def keep_only(self, rows: list[int]) -> None:
         """Forget every row but ``rows``, which become rows 0, 1, ... in that order (a long-lived server's batch
         whose finished rows would otherwise pile up: TokenBatch.compact). The totals stay."""
-        for name in ("produced", "finish", "passes", "seconds", "limits"):
+        for name in self.PER_ROW:
             values = getattr(self, name)
             setattr(self, name, [values[r] for r in rows])
 
