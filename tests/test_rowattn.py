@@ -115,6 +115,23 @@ def test_masked_rows_see_only_their_keys_and_nothing_leaks_from_the_others():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [64, 128, 12])
+@pytest.mark.parametrize("heads,kv_heads", GROUPS)
+def test_a_row_of_many_short_runs_equals_its_keys_gathered_into_one_run(dim, heads, kv_heads):
+    """A batch row's keys are many runs (rejected drafts, a narrower row's holes): the kernel scores eight visible
+    keys at a time across the runs' edges, and each key's score, so the row, stays what it is over one run."""
+    q, k, v = tensors(heads=heads, kv_heads=kv_heads, rows=3, keys=97, dim=dim)
+    allowed = causal(1, 3, 97).clone()
+    for start, width in ((5, 1), (11, 3), (20, 2), (31, 5), (44, 1), (50, 7), (66, 2), (80, 4)):
+        allowed[0, :, start : start + width] = False  # runs of 5, 7, 8, 6, 8, 5, 9, 10 ... keys between the gaps
+    out = rowattn.attend(rowattn.kernel(), q, k, v, 0.3, rowattn.Visible(additive(allowed), 1, 3, 97))
+    for i in range(3):
+        seen = allowed[0, i].nonzero().squeeze(1)
+        alone = rowattn.attend(rowattn.kernel(), q[:, :, i : i + 1], k[:, :, seen], v[:, :, seen], 0.3)
+        assert torch.equal(alone[0, 0], out[0, i]), i
+
+
+@needs_kernel
 @pytest.mark.parametrize("heads,kv_heads", GROUPS)
 def test_rows_of_unequal_lengths_split_by_their_keys_give_the_same_bits_on_any_team(heads, kv_heads, monkeypatch):
     """The units go to the threads by the keys they read (a long row's heads to one thread, many short rows' to

@@ -54,12 +54,12 @@ static inline float dot(const float* q, const KV* k, int64_t d) {
 // the value pass finds its values in L1 or L2.
 constexpr int64_t AHEAD = 32;
 template <typename KV>
-static inline void fetch_keys(const KV* k, const KV* v, int64_t ks, int64_t vs, int64_t d) {
+static inline void fetch_keys(const KV* const* k, const KV* const* v, int64_t d) {
   const int64_t bytes = d * (int64_t)sizeof(KV);
   for (int u = 0; u < 8; u++)
     for (int64_t at = 0; at < bytes; at += 64) {
-      __builtin_prefetch((const char*)(k + u * ks) + at);
-      __builtin_prefetch((const char*)(v + u * vs) + at);
+      __builtin_prefetch((const char*)k[u] + at);
+      __builtin_prefetch((const char*)v[u] + at);
     }
 }
 
@@ -71,10 +71,10 @@ constexpr int64_t MAX_TOGETHER = 64;  // heads of a key group taken together at 
 // those go a head at a time). A head keeps 8 sums: 3 heads and their queries fit AVX-512's 32 registers.
 constexpr int SCORE_HEADS = VALUE_LANES == 16 ? 3 : 1;
 
-// Scores of NH heads (queries qs, rows of outs) for the 8 keys from kj (ks apart): each head's 8 sums are
-// the ones it makes alone, step by step in the same order, so which heads go together changes no bits.
+// Scores of NH heads (queries qs, rows of outs) for the 8 keys kj: each head's 8 sums are the ones it makes
+// alone, step by step in the same order, so which heads go together changes no bits.
 template <int D8, int NH, typename KV>
-static inline void score_block(const float* const* qs, const KV* kj, int64_t ks, float* const* outs, float scale) {
+static inline void score_block(const float* const* qs, const KV* const* kj, float* const* outs, float scale) {
   v8f acc[NH][8];
 #pragma GCC unroll 8
   for (int h = 0; h < NH; h++)
@@ -86,7 +86,7 @@ static inline void score_block(const float* const* qs, const KV* kj, int64_t ks,
     for (int h = 0; h < NH; h++) qt[h] = load8(qs[h] + t);
 #pragma GCC unroll 8
     for (int u = 0; u < 8; u++) {
-      const v8f k = load8(kj + u * ks + t);
+      const v8f k = load8(kj[u] + t);
 #pragma GCC unroll 8
       for (int h = 0; h < NH; h++) acc[h][u] += qt[h] * k;
     }
@@ -148,7 +148,8 @@ static void weigh_values(int64_t n, const float* p, int64_t stride, float* out, 
 // the one it would do alone, in the same order (partial sums stored and reloaded are exact), so
 // which heads a thread takes together changes no bits.
 template <int D8, typename KV>
-static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, int64_t h1, float* scores) {
+static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, int64_t h1, float* scores,
+                       int64_t* cols) {
   const int64_t d = c->dim, group = c->heads / c->kv_heads, stride = c->keys + 16;  // a head's scores
   int64_t causal_range[2];
   const int64_t* ranges;
@@ -163,6 +164,12 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
     ranges = causal_range;
     n_ranges = 1;
   }
+  // the visible keys' columns in order: blocks of eight keys are scored across the edges of the row's runs
+  // (a batch row's keys are many runs: rejected drafts and a narrower row's holes are hidden columns), not
+  // each run's last few keys one at a time. A key's score is the same bits in a block or alone.
+  int64_t seen = 0;
+  for (int64_t g = 0; g < n_ranges; g++)
+    for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++) cols[seen++] = j;
   const int64_t d8 = D8 > 0 ? D8 * 8 : d - d % 8;
   for (int64_t first = h0; first < h1;) {
     const int64_t kvh = first / group;
@@ -174,54 +181,57 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
     auto output = [&](int64_t h) { return c->out + ((b * c->rows + i) * c->heads + h) * d; };
     // scores, in the order of the visible keys; eight keys at a time for independent chains
     int64_t m = 0;
-    for (int64_t g = 0; g < n_ranges; g++) {
-      int64_t j = ranges[2 * g];
-      const int64_t end = ranges[2 * g + 1];
-      for (; j + 8 <= end; j += 8, m += 8) {
-        const KV* kj = kbase + j * c->ks;
-        const int64_t ks = c->ks;
-        fetch_keys(kj + AHEAD * ks, vbase + j * c->vs, ks, c->vs, d);
-        if constexpr (D8 > 0 && SCORE_HEADS > 1 && !std::is_same<KV, float>::value) {  // fp16: a few heads at once
-          for (int64_t h = first; h < last; h += SCORE_HEADS) {
-            const int64_t n = last - h < SCORE_HEADS ? last - h : SCORE_HEADS;
-            const float* qs[SCORE_HEADS];
-            float* outs[SCORE_HEADS];
-            for (int64_t i = 0; i < n; i++) qs[i] = query(h + i), outs[i] = scores + (h + i - first) * stride + m;
-            if (n == 3) score_block<D8, SCORE_HEADS == 3 ? 3 : 1>(qs, kj, ks, outs, c->scale);
-            else if (n == 2) score_block<D8, SCORE_HEADS >= 2 ? 2 : 1>(qs, kj, ks, outs, c->scale);
-            else score_block<D8, 1>(qs, kj, ks, outs, c->scale);
-          }
-          continue;
-        }
-        for (int64_t h = first; h < last; h++) {
-          const float* q = query(h);
-          v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-          for (int64_t t = 0; t < d8; t += 8) {
-            const v8f qt = load8(q + t);
-            a0 += qt * load8(kj + t);
-            a1 += qt * load8(kj + ks + t);
-            a2 += qt * load8(kj + 2 * ks + t);
-            a3 += qt * load8(kj + 3 * ks + t);
-            a4 += qt * load8(kj + 4 * ks + t);
-            a5 += qt * load8(kj + 5 * ks + t);
-            a6 += qt * load8(kj + 6 * ks + t);
-            a7 += qt * load8(kj + 7 * ks + t);
-          }
-          v8f block = sums8(a0, a1, a2, a3, a4, a5, a6, a7);
-          if (D8 == 0) {
-            for (int u = 0; u < 8; u++) {
-              float tail = block[u];
-              for (int64_t t = d8; t < d; t++) tail += q[t] * to_float(kj[u * ks + t]);
-              block[u] = tail;
-            }
-          }
-          store8(scores + (h - first) * stride + m, block * c->scale);
-        }
+    for (; m + 8 <= seen; m += 8) {
+      const KV* kj[8];
+      const KV* ahead[8];
+      const KV* values[8];
+      for (int u = 0; u < 8; u++) {
+        kj[u] = kbase + cols[m + u] * c->ks;
+        values[u] = vbase + cols[m + u] * c->vs;
+        // the keys AHEAD visible keys on (past the last, the last's: a prefetch of a line already asked for)
+        ahead[u] = kbase + cols[m + AHEAD + u < seen ? m + AHEAD + u : seen - 1] * c->ks;
       }
-      for (; j < end; j++, m++)
-        for (int64_t h = first; h < last; h++)
-          scores[(h - first) * stride + m] = dot<D8>(query(h), kbase + j * c->ks, d) * c->scale;
+      fetch_keys(ahead, values, d);
+      if constexpr (D8 > 0 && SCORE_HEADS > 1 && !std::is_same<KV, float>::value) {  // fp16: a few heads at once
+        for (int64_t h = first; h < last; h += SCORE_HEADS) {
+          const int64_t n = last - h < SCORE_HEADS ? last - h : SCORE_HEADS;
+          const float* qs[SCORE_HEADS];
+          float* outs[SCORE_HEADS];
+          for (int64_t i = 0; i < n; i++) qs[i] = query(h + i), outs[i] = scores + (h + i - first) * stride + m;
+          if (n == 3) score_block<D8, SCORE_HEADS == 3 ? 3 : 1>(qs, kj, outs, c->scale);
+          else if (n == 2) score_block<D8, SCORE_HEADS >= 2 ? 2 : 1>(qs, kj, outs, c->scale);
+          else score_block<D8, 1>(qs, kj, outs, c->scale);
+        }
+        continue;
+      }
+      for (int64_t h = first; h < last; h++) {
+        const float* q = query(h);
+        v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t t = 0; t < d8; t += 8) {
+          const v8f qt = load8(q + t);
+          a0 += qt * load8(kj[0] + t);
+          a1 += qt * load8(kj[1] + t);
+          a2 += qt * load8(kj[2] + t);
+          a3 += qt * load8(kj[3] + t);
+          a4 += qt * load8(kj[4] + t);
+          a5 += qt * load8(kj[5] + t);
+          a6 += qt * load8(kj[6] + t);
+          a7 += qt * load8(kj[7] + t);
+        }
+        v8f block = sums8(a0, a1, a2, a3, a4, a5, a6, a7);
+        if (D8 == 0) {
+          for (int u = 0; u < 8; u++) {
+            float tail = block[u];
+            for (int64_t t = d8; t < d; t++) tail += q[t] * to_float(kj[u][t]);
+            block[u] = tail;
+          }
+        }
+        store8(scores + (h - first) * stride + m, block * c->scale);
+      }
     }
+    for (; m < seen; m++)
+      for (int64_t h = first; h < last; h++)
+        scores[(h - first) * stride + m] = dot<D8>(query(h), kbase + cols[m] * c->ks, d) * c->scale;
     if (m == 0) {  // nothing visible (a padding row): zeros
       for (int64_t h = first; h < last; h++) memset(output(h), 0, d * sizeof(float));
       first = last;
@@ -288,21 +298,27 @@ template <typename KV>
 static int run_units(const CallOf<KV>* c, int64_t first, int64_t last) {
   const int64_t group = c->heads / c->kv_heads;  // a key group's heads' scores (attend_row)
   float* scores = (float*)malloc(group * (c->keys + 16) * sizeof(float));
-  if (!scores) return 1;
+  int64_t* cols = (int64_t*)malloc((c->keys + 1) * sizeof(int64_t));  // a row's visible keys (attend_row)
+  if (!scores || !cols) {
+    free(scores);
+    free(cols);
+    return 1;
+  }
   while (first < last) {
     const int64_t sequence_group = first / (c->rows * group), unit = first % (c->rows * group);
     const int64_t b = sequence_group / c->kv_heads, g = sequence_group % c->kv_heads;
     const int64_t i = unit / group, h0 = g * group + unit % group;
     const int64_t h1 = h0 + (last - first) < (g + 1) * group ? h0 + (last - first) : (g + 1) * group;
     if (c->dim == 64)
-      attend_row<8>(c, b, i, h0, h1, scores);
+      attend_row<8>(c, b, i, h0, h1, scores, cols);
     else if (c->dim == 128)
-      attend_row<16>(c, b, i, h0, h1, scores);
+      attend_row<16>(c, b, i, h0, h1, scores, cols);
     else
-      attend_row<0>(c, b, i, h0, h1, scores);
+      attend_row<0>(c, b, i, h0, h1, scores, cols);
     first += h1 - h0;
   }
   free(scores);
+  free(cols);
   return 0;
 }
 
