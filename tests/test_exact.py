@@ -206,17 +206,17 @@ def test_batch_exact_needs_the_token_scheme(tiny_llama):
 
 
 def test_draft_depth_follows_the_cost_curve_and_the_drafts_held():
-    assert exact.DraftDepth(3, None).layout() == (3, True)  # no curve: the widest layout
+    assert exact.DraftDepth(3, None).layout() == (3, True, True)  # no curve: the widest layout
     flat = exact.DraftDepth(3, {w: 30.0 for w in range(1, 9)})
-    assert flat.layout() == (3, True)  # wide passes are free: verify every draft, keep the fallback masks
+    assert flat.layout() == (3, True, True)  # wide passes are free: verify every draft, keep the fallback masks
     steep = exact.DraftDepth(3, {w: 10.0 * w for w in range(1, 9)})
-    assert steep.layout() == (0, True)  # every token fed costs a whole pass: no draft pays, a plain AR pass
+    assert steep.layout() == (0, True, True)  # every token fed costs a whole pass: no draft pays, a plain AR pass
     assert steep.cost(10) == pytest.approx(100.0)  # past the measured widths: the last slope
     gentle = exact.DraftDepth(3, {w: 10.0 + 2.0 * w for w in range(1, 9)})
-    assert gentle.layout() == (1, False)  # one draft in two holds: deeper passes do not pay yet
+    assert gentle.layout() == (1, False, True)  # one draft in two holds: deeper passes do not pay yet
     for _ in range(200):  # drafts that always hold do
         gentle.observe(drafted=3, held=3)
-    assert gentle.layout() == (3, False)
+    assert gentle.layout() == (3, False, True)
     depth = exact.DraftDepth(3, {1: 10.0, 2: 11.0})
     depth.observe(drafted=3, held=1)  # depth 1 held, depth 2 failed, depth 3 was never reached
     assert depth.held == [2, 1, 1] and depth.tried == [3, 3, 2]

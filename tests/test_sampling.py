@@ -25,6 +25,8 @@ from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.exact import AR, BONUS, DRAFT, MASK, RESAMPLED
 from mars_demo.engine.decoding.loop import LiveTau, collect, decode_passes, eos_ids, generate
 from mars_demo.engine.decoding.sampling import Sampling, nucleus
+from mars_demo.engine.decoding.surface import Surface
+from mars_demo.engine.decoding.width import WidthController
 
 from conftest import PROMPTS, make_lm
 
@@ -95,12 +97,14 @@ def exact_runs(lm, ids, how: Sampling, n: int, tokens: int, block_size: int = 2,
     return outputs
 
 
-def batch_runs(lm, ids, how: Sampling, n: int, tokens: int, block_size: int = 2, verifying: bool = True) -> list:
+def batch_runs(
+    lm, ids, how: Sampling, n: int, tokens: int, block_size: int = 2, verifying: bool = True, controller=None
+) -> list:
     """The first ``tokens`` tokens of ``n`` rows of one token-level batch (mode "ar" with block_size 1)."""
     config = DecodeConfig(mode="hybrid" if verifying else "mars", temperature=how.temperature, top_p=how.top_p,
                           top_k=how.top_k, max_new_tokens=tokens, seed=0)
     spec = BatchSpec(block_size, lm.meta.mask_token_id, 0, LiveTau(1.0), frozenset(eos_ids(lm.backend, lm.tokenizer)))
-    batch = token_passes(lm.backend, [ids] * n, config, spec)
+    batch = token_passes(lm.backend, [ids] * n, config, spec, controller)
     return [tuple(row) for row in collect_batch(batch).token_ids]
 
 
@@ -135,6 +139,21 @@ def test_batched_exact_mode_and_ar_sampling_sample_the_same_distribution(drafty,
     expected = ar_distribution(drafty, ids, how, 2)
     assert chi_square_p(batch_runs(drafty, ids, how, 2000, 2, block_size=4), expected) > SIGNIFICANCE
     assert chi_square_p(batch_runs(drafty, ids, how, 2000, 2, block_size=1, verifying=False), expected) > SIGNIFICANCE
+
+
+def test_batched_exact_passes_in_turns_sample_as_ar_sampling(drafty, monkeypatch):
+    """A cost surface where two tokens a row cost little more than one and three cost much more: the batch
+    verifies and drafts in turns (exact.Layout, no masks beside the drafts), and still samples as AR does."""
+    from mars_demo.engine.decoding.batch import token
+
+    costs = {1: 10.0, 2: 10.5, 3: 16.0, 4: 20.0, 5: 24.0, 7: 32.0, 10: 44.0}
+    jump = Surface.from_cost(lambda r, w: costs[w], rows=(1, 2, 4, 8), widths=tuple(costs), name="jump")
+    seen, verify_block = [], token.verify_block
+    monkeypatch.setattr(token, "verify_block", lambda *a: seen.append(a[-1]) or verify_block(*a))
+    ids = prompt_ids(drafty.tokenizer, PROMPTS[0])
+    samples = batch_runs(drafty, ids, TOP_K, 2000, 3, block_size=4, controller=WidthController(jump, 4))
+    assert seen[0] and seen[1:] and not any(seen[1:])  # the prefill's masks draft; later passes go in turns
+    assert chi_square_p(samples, ar_distribution(drafty, ids, TOP_K, 3)) > SIGNIFICANCE
 
 
 @torch.inference_mode()

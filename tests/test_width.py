@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mars_demo.engine.decoding import exact
 from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_batch
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
@@ -502,6 +503,21 @@ def test_prices_are_corrected_apart_for_each_row_count():
     assert controller.prices.of(7) == {False: 1.0, True: 1.0}  # a count not seen yet: the surface as measured
 
 
+def test_a_wide_pass_is_priced_by_the_ratio_of_its_own_width_and_between_the_widths_seen():
+    prices = Prices()
+    for _ in range(60):  # one-token passes at their price, 3-column ones at 1.3x theirs
+        prices.seen(4, False, 1.0)
+        prices.seen(4, True, 1.3, columns=3)
+    assert prices.factor(4, 1) == pytest.approx(1.0, rel=0.01) and prices.factor(4, 3) == pytest.approx(1.3, rel=0.01)
+    assert prices.factor(4, 2) == pytest.approx(1.15, rel=0.01)  # not seen: between the two
+    assert prices.factor(4, 2.5) == pytest.approx(1.225, rel=0.01)
+    assert prices.factor(4, 9) == pytest.approx(1.3, rel=0.01)  # past the widest seen: its ratio
+    assert prices.factor(2, 2) == 1.0  # a row count not seen: the surface as measured
+    for _ in range(60):  # 2-column passes at 1.05x their price
+        prices.seen(4, True, 1.05, columns=2)
+    assert prices.factor(4, 2) == pytest.approx(1.05, rel=0.01) and prices.factor(4, 3) == pytest.approx(1.3, rel=0.01)
+
+
 def test_a_price_gone_unmeasured_is_looked_at_once_where_its_kind_comes_near():
     # a mask in two holds: priced here, a width-2 pass promises ~0.92x the rate of one-token passes
     dear = Surface.from_cost(lambda r, w: 5.0 + 0.9 * (w - 1) * r, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
@@ -535,7 +551,35 @@ def test_a_batch_prices_a_draftless_row_at_the_width_its_drafting_rows_feed():
     depths.rows = 4
     assert depths.rate(1, False) == pytest.approx((1.5 + 0.5) / (1.5 * costs[3]))  # in a batch it rides at 3
     assert depths.rate(1, False) < alone and depths.rate(1, True) == pytest.approx(1.5 / costs[4])
-    assert depths.layout() == (1, False)  # one draft without fallback masks pays best on this curve
+    assert depths.layout() == (1, False, True)  # one draft without fallback masks pays best on this curve
+
+
+def test_where_three_tokens_a_row_cost_much_more_than_two_a_batch_verifies_and_drafts_in_turns():
+    jump = {1: 10.0, 2: 10.5, 3: 16.0, 4: 20.0, 5: 24.0, 7: 32.0, 10: 44.0}
+    depths = DraftDepth(3, jump)  # at the prior: one draft in two held
+    depths.rows = 4
+    everything = (exact.WITH_FALLBACK, exact.CHAIN, exact.IN_TURNS)
+    assert depths.rate(1, False, False) == pytest.approx((1.5 + 1) / (2 * jump[2]))  # a verifying and a drafting pass
+    assert depths.layout() == (0, True, True)  # the chain's passes (3 tokens a row and up) do not pay: AR passes
+    assert depths.layout(everything) == (1, False, False)  # passes in turns, 2 tokens a row each, do
+    flat = DraftDepth(3, {w: 10.0 for w in range(1, 11)})
+    flat.rows = 4
+    assert flat.layout(everything) == (3, True, True)  # where width is free the fallback group still pays most
+
+
+def test_exact_batches_in_turns_are_greedy_ar(tiny_lm, monkeypatch):
+    from mars_demo.engine.decoding.batch import token
+
+    costs = {1: 10.0, 2: 10.5, 3: 16.0, 4: 20.0, 5: 24.0, 7: 32.0, 10: 44.0, 16: 68.0}
+    jump = Surface.from_cost(lambda r, w: costs[w], rows=ROWS, widths=tuple(costs), name="jump")
+    seen, verify_block = [], token.verify_block
+    monkeypatch.setattr(token, "verify_block", lambda *a: seen.append(a[-1]) or verify_block(*a))
+    ids = _ids(tiny_lm)
+    ar, _ = _batch(tiny_lm, ids, 1.0)
+    out, events = _batch(tiny_lm, ids, 1.0, surface=jump, verifying=True)
+    assert False in seen and out == ar  # passes in turns (no masks beside the drafts), greedy AR's text
+    widths = {step.width for event in events[1:] for step in event.rows if step.token_ids}
+    assert widths <= {1, 2}  # every row fed its pending token and one draft or one mask
 
 
 def test_exact_batches_without_fallback_masks_are_greedy_ar(tiny_lm, monkeypatch):
@@ -547,7 +591,7 @@ def test_exact_batches_without_fallback_masks_are_greedy_ar(tiny_lm, monkeypatch
     seen, verify_block = [], token.verify_block
 
     def recorded(*args):
-        seen.append(args[-1])  # whether the pass fed the fallback group
+        seen.append(args[-2])  # whether the pass fed the fallback group
         return verify_block(*args)
 
     monkeypatch.setattr(token, "verify_block", recorded)

@@ -16,6 +16,7 @@ same pass is read by the speculative-sampling rule instead (speculative.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -132,18 +133,37 @@ def accepted(confidences: list[float], tau: float, metric: str = "probability") 
     return n
 
 
+class Layout(NamedTuple):
+    """What a verifying pass feeds (DraftDepth): ``depth`` drafts (0: a plain AR pass), the fallback group or not,
+    and whether a pass with drafts also feeds the masks that guess the next ones (``masks``). Without them a row's
+    pass is [pending | drafts] or, when it has none, [pending | depth masks]: every pass is 1 + depth wide, and
+    a row verifies and drafts in turns (a copy from its text can still give it drafts two passes running)."""
+
+    depth: int
+    fallback: bool
+    masks: bool = True
+
+
+# (fallback, masks) of the layouts DraftDepth weighs: with the fallback group, a chain without it, and passes that
+# verify and draft in turns (``Layout``)
+WITH_FALLBACK, CHAIN, IN_TURNS = (True, True), (False, True), (False, False)
+
+
 class DraftDepth:
-    """How many drafts an exact pass verifies (D <= B - 1), and whether it carries fallback masks.
+    """How many drafts an exact pass verifies (D <= B - 1), and what else it feeds (``Layout``).
 
     Chosen before every pass by expected tokens per millisecond, from the measured
     cost curve (ms per pass by tokens fed, paths.ComputePath) and the running share
-    of drafts held at each depth. A layout (D, fallback) feeds 1 + 2D (+ D) tokens when
-    there are drafts and 1 + D when there are none (the pass after a rejection without
+    of drafts held at each depth. A layout with masks feeds 1 + 2D (+ D with the fallback group) tokens
+    when there are drafts and 1 + D when there are none (the pass after a rejection without
     fallback masks). Its long-run rate is that of a two-state chain: with drafts, a
     pass commits 1 + sum_i P(first i held) tokens and, without fallback masks, leaves
     the next pass draft-less unless every draft held; without drafts, a pass commits
     one token and drafts D. In a batch (``rows`` > 1) a row without drafts rides in a pass that the
-    rows with drafts make 1 + 2D wide, so its pass is priced at that width, not at 1 + D. Without a
+    rows with drafts make 1 + 2D wide, so its pass is priced at that width, not at 1 + D. A layout in turns
+    (no masks beside the drafts) alternates the two states, each pass 1 + D wide: where a few more tokens a
+    pass cost much more than a few (a CPU's int8 GEMM past 8 rows of a pass), its narrow passes can pay where the
+    chain's do not. Without a
     curve (a GPU, an unmeasured model) passes are taken to cost the same at any width: the widest
     layout with fallback masks.
     A plain AR pass (D = 0) tries no draft, so it would learn nothing that could end a run of them:
@@ -166,7 +186,10 @@ class DraftDepth:
         self.start = start or ([float(self.PRIOR[0])] * most, [float(self.PRIOR[1])] * most)
         self.held, self.tried = list(self.start[0]), list(self.start[1])
         self.rows = 1  # rows decoding together (the class docstring): a batch sets it before each layout
-        self.weighed: tuple[tuple[int, bool], float, float] = ((most, True), 1.0, 1.0)  # see layout
+        # ms of passes under a 4-D mask (those that feed the fallback group) where they differ from causal ones'
+        # (a batch on a CPU: the mask is built and read; token.py); None: the same
+        self.block_costs: dict[int, float] | None = None
+        self.weighed: tuple[Layout, float, float] = (Layout(most, True), 1.0, 1.0)  # see layout
 
     def observe(self, drafted: int, held: int) -> None:
         """A pass verified ``drafted`` drafts and kept the first ``held``: depth j was tried if j - 1 held."""
@@ -174,9 +197,10 @@ class DraftDepth:
             self.tried[j] += 1
             self.held[j] += j < held
 
-    def cost(self, width: int) -> float:
-        """Measured ms of a pass feeding ``width`` tokens; linear past the widest measured pass."""
-        costs = self.costs
+    def cost(self, width: int, block: bool = False) -> float:
+        """Measured ms of a pass feeding ``width`` tokens (under a 4-D mask: ``block``); linear past the widest
+        measured pass."""
+        costs = self.block_costs if block and self.block_costs else self.costs
         if width in costs:
             return costs[width]
         widths = list(costs)
@@ -184,38 +208,41 @@ class DraftDepth:
         slope = max(0.0, (costs[last] - costs[before]) / max(last - before, 1))
         return costs[last] + slope * (width - last)
 
-    def rate(self, depth: int, fallback: bool) -> float:
+    def rate(self, depth: int, fallback: bool, masks: bool = True) -> float:
         """Expected committed tokens per ms of the layout, in the long run."""
         reach, expected = 1.0, 1.0
         for j in range(depth):
             reach *= self.held[j] / self.tried[j]
             expected += reach
+        if not masks:  # in turns: a verifying pass, then a drafting one, both 1 + depth wide
+            return (expected + 1.0) / (2 * self.cost(1 + depth))
         to_bare = 0.0 if fallback else 1.0 - reach  # chance a pass with drafts leaves the next without
-        with_drafts = self.cost(1 + (3 if fallback else 2) * depth)
+        with_drafts = self.cost(1 + (3 if fallback else 2) * depth, block=fallback)
         bare = self.cost(1 + depth) if self.rows == 1 else with_drafts  # in a batch: the drafting rows' width
         return (expected + to_bare) / (with_drafts + to_bare * bare)
 
-    def drafting(self, fallbacks: tuple[bool, ...] = (True, False)) -> tuple[tuple[int, bool], float]:
-        """The drafting layout (D >= 1, fallback) of the best rate on the curve, and that rate."""
-        rates = {(d, f): self.rate(d, f) for d in range(1, self.most + 1) for f in fallbacks}
+    def drafting(self, kinds: tuple[tuple[bool, bool], ...] = (WITH_FALLBACK, CHAIN)) -> tuple[Layout, float]:
+        """The drafting layout (D >= 1) of the best rate on the curve among ``kinds`` ((fallback, masks) pairs),
+        and that rate."""
+        rates = {Layout(d, *kind): self.rate(d, *kind) for d in range(1, self.most + 1) for kind in kinds}
         best = max(rates, key=rates.get)
         return best, rates[best]
 
-    def layout(self, fallbacks: tuple[bool, ...] = (True, False)) -> tuple[int, bool]:
-        """(D, fallback) for the next pass; D = 0 (a plain AR pass) where no draft pays on the curve.
+    def layout(self, kinds: tuple[tuple[bool, bool], ...] = (WITH_FALLBACK, CHAIN)) -> Layout:
+        """The next pass's layout among ``kinds``; depth 0 (a plain AR pass) where no draft pays on the curve.
 
         ``weighed`` keeps what it chose on: the best drafting layout, its rate and a plain AR pass's (a batch
         weighs them again, token.py)."""
         if not self.costs or self.most < 1:
-            return self.most, True
-        (best, rate), plain = self.drafting(fallbacks), self.rate(0, True)
+            return Layout(self.most, True)
+        (best, rate), plain = self.drafting(kinds), self.rate(0, True)
         self.weighed = best, rate, plain
         if rate > plain:
             return best
         fade = self.FADE
         self.held = [h + (n - h) * fade for n, h in zip(self.held, self.start[0])]
         self.tried = [t + (n - t) * fade for n, t in zip(self.tried, self.start[1])]
-        return 0, True
+        return Layout(0, True)
 
 
 def lookup(history: list[int], most: int, ngram: int) -> list[int]:

@@ -283,7 +283,8 @@ class ChainRun:
     ) -> tuple[exact.Verdict, int, tuple[int, ...]]:
         """One verifying pass; its verdict, width and shape (a chain: one 1 per draft)."""
         # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
-        depth, fallback = self.depths.layout() if tau >= 1.0 else (self.window - 1, True)
+        # (One sequence's layouts all feed masks beside their drafts: the chain's default kinds.)
+        depth, fallback, _ = self.depths.layout() if tau >= 1.0 else exact.Layout(self.window - 1, True)
         drafts, proposal = speculative.pick_drafts(history, self.drafts, self.proposal, depth, tau >= 1.0)
         verdict, width = verify_pass(backend, cache, pending, drafts, depth, self.mask_id, tau, metric, fallback,
                                      self.rule, proposal)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from itertools import pairwise
 
 from .surface import Surface
 
@@ -108,12 +109,16 @@ class Hits:
 
 class Prices:
     """What passes on a measured surface cost against its price: the running ratio of measured to priced ms, kept
-    per row count and apart for one-token and wider passes (``WidthController``'s docstring).
+    per row count and apart for one-token and wider passes (``WidthController``'s docstring), and within the wider
+    ones per number of columns fed (``factor``).
 
     A surface measured once is off by different amounts at different row counts and widths as the machine's
     phase moves (on a 2-core VM, one morning: one-token passes at 1.12-1.35x its price, wide ones at 0.9-1.0x,
     by rows), so one ratio a kind, fed by every row count a batch passes through, priced 4-row passes by what
-    1-row ones had cost.
+    1-row ones had cost. Nor is it off by one ratio across widths: a surface measured while memory was slow
+    prices 3 columns at 4 rows (12 tokens a pass, past where the int8 GEMM stops being bound by the weights'
+    bytes) little above 2, and a faster phase makes the 3-column pass 1.3x its price and the 2-column one 1.1x.
+    One wide ratio learned from 3-column passes priced every 2-column layout out of reach.
     """
 
     DECAY = 0.9  # a ratio follows the last tens of passes
@@ -121,7 +126,9 @@ class Prices:
 
     def __init__(self) -> None:
         self.ratios: dict[int, dict[bool, float]] = {}  # rows -> {wide?: ratio}
+        self.columns: dict[int, dict[tuple[bool, int], float]] = {}  # rows -> {(block?, columns of a wide pass): ratio}
         self.runs: dict[int, tuple[bool, int]] = {}  # rows -> (the last pass's kind, passes of it in a row)
+        self.points: dict[tuple[int, bool], list[tuple[float, float]]] = {}  # factor's, until the next pass seen
 
     def of(self, rows: int) -> dict[bool, float]:
         """{wide?: ratio} at ``rows`` rows: 1.0 (the surface as measured) until passes there are seen. (Started from
@@ -129,22 +136,56 @@ class Prices:
         2-row batch's one-token ratio, drifted while its wide passes ran.)"""
         return self.ratios.setdefault(rows, {False: 1.0, True: 1.0})
 
-    def seen(self, rows: int, wide: bool, ratio: float) -> None:
-        """A pass of this kind over ``rows`` rows took ``ratio`` times its price.
+    def factor(self, rows: int, columns: float, block: bool = False) -> float:
+        """What the surface's price of a pass feeding ``columns`` columns a row over ``rows`` rows is multiplied by;
+        ``block``: a pass under a 4-D mask (a verifying pass's fallback group), whose mask a causal pass does not
+        build or read, priced apart.
+
+        One column: the one-token ratio. Wider: the ratio of the column counts seen (of passes of the same kind of
+        mask), straight between them and from the one-token ratio at one column up to the narrowest seen; past the
+        widest seen, the widest's. With none seen, a block pass is priced as a causal one, and a causal one at the
+        wide kind's ratio.
+        """
+        kinds = self.of(rows)
+        if columns <= 1:
+            return kinds[False]
+        points = self.points.get((rows, block))
+        if points is None:  # (a verifying batch prices ~20 widths a pass: sorted once)
+            seen = sorted((c, r) for (b, c), r in self.columns.get(rows, {}).items() if b == block)
+            points = self.points[rows, block] = [(1, kinds[False]), *seen] if seen else []
+        if not points:
+            return self.factor(rows, columns) if block else kinds[True]
+        for (c0, r0), (c1, r1) in pairwise(points):
+            if columns <= c1:
+                return r0 + (r1 - r0) * (columns - c0) / (c1 - c0)
+        return points[-1][1]
+
+    def seen(self, rows: int, wide: bool, ratio: float, columns: int = 0, block: bool = False) -> None:
+        """A pass of this kind over ``rows`` rows (fed ``columns`` columns, where wide; ``block``: under a 4-D
+        mask) took ``ratio`` times its price.
 
         The first pass of a kind after STALE of the other (a look: ``due``) counts for half, not a tenth: the old
-        ratio is as old as that run. After STALE passes in a row, the other kind's ratio also drifts toward this
+        ratio is as old as that run. After STALE passes in a row, the other kind's ratios also drift toward this
         one's (the surface's own relative prices), so that one a burst of other load raised comes near enough
         to be looked at again.
         """
         ratios, decay, ratio = self.of(rows), self.DECAY, min(max(ratio, 0.25), 4.0)
+        self.points.pop((rows, False), None)
+        self.points.pop((rows, True), None)
         kind, run = self.runs.get(rows, (wide, 0))
         weight = 0.5 if kind != wide and run >= self.STALE else 1 - decay
         ratios[wide] = (1 - weight) * ratios[wide] + weight * ratio
+        widths = self.columns.setdefault(rows, {})
+        if wide and columns > 1:
+            key = (block, columns)
+            widths[key] = (1 - weight) * widths.get(key, ratios[wide]) + weight * ratio
         run = run + 1 if kind == wide else 1
         self.runs[rows] = (wide, run)
         if run > self.STALE:
             ratios[not wide] = decay * ratios[not wide] + (1 - decay) * ratios[wide]
+            if not wide:
+                for c, r in widths.items():
+                    widths[c] = decay * r + (1 - decay) * ratios[wide]
 
     def due(self, rows: int) -> bool | None:
         """The kind (wide?) whose ratio at ``rows`` has gone unmeasured for STALE passes, else None."""
@@ -227,19 +268,20 @@ class WidthController:
 
     def _rates(self, reach: Sequence[list[float]], caps: Sequence[int]) -> dict[int, float]:
         """``rates`` from the rows' acceptance (``Hits.reach``), read once for every width."""
-        out, scale = {}, self.prices.of(len(reach))
+        out, rows = {}, len(reach)
         for width in range(1, self.most + 1):
             widths = [min(width, cap) for cap in caps]
             expected = sum(sum(r[: max(w, 1)]) for r, w in zip(reach, widths))
             columns = widest_accepted(reach, widths) - 1 + width
-            out[width] = expected / (self.surface.ms(len(reach), columns) * scale[columns > 1])
+            out[width] = expected / (self.surface.ms(rows, columns) * self.prices.factor(rows, columns))
         return out
 
-    def passed(self, rows: int, columns: int, seconds: float) -> None:
-        """A pass over ``rows`` rows fed ``columns`` columns and took ``seconds``: correct the prices."""
+    def passed(self, rows: int, columns: int, seconds: float, block: bool = False) -> None:
+        """A pass over ``rows`` rows fed ``columns`` columns (under a 4-D mask: ``block``) and took ``seconds``:
+        correct the prices."""
         if self.surface is None or self.surface.simulated or rows < 1 or columns < 1 or seconds <= 0:
             return
-        self.prices.seen(rows, columns > 1, seconds * 1000 / self.surface.ms(rows, columns))
+        self.prices.seen(rows, columns > 1, seconds * 1000 / self.surface.ms(rows, columns), columns, block)
 
     def settle(self, rows: int, gain: float, first: float = 0.0) -> bool:
         """Whether the next pass over ``rows`` rows is wide, given the best wide choice's expected ``gain`` over
@@ -310,12 +352,12 @@ class WidthController:
         2-core CPU they cost more than the tokens they brought."""
         reach = [h.reach(self.most) for h in rows]
         among = (reach + reach[:1] * joins, list(caps) + [self.most] * joins)
-        per_token, scale = 1.0 / max(self._rates(*among).values()), self.prices.of(len(rows))
-        base = self.surface.ms(len(rows), fed) * scale[fed > 1]
+        per_token, n, prices = 1.0 / max(self._rates(*among).values()), len(rows), self.prices
+        base = self.surface.ms(n, fed) * prices.factor(n, fed)
         best, value = 1, 0.0
         for width in range(2, self.most + 1):
             tokens = sum(sum(r[1 : min(width, cap)]) for r, cap in zip(reach, caps))  # beyond each row's first
-            added = self.surface.ms(len(rows), fed - 1 + width) * scale[True] - base
+            added = self.surface.ms(n, fed - 1 + width) * prices.factor(n, fed - 1 + width) - base
             if tokens * per_token - added > value:
                 best, value = width, tokens * per_token - added
         return best, 1.0 + value / base

@@ -55,7 +55,7 @@ def slide(
 
 def verify_block(
     pending: list[list[int]], drafts: list[list[int]], next_pos: list[int], L: int, mask_id: int, pad_id: int, device,
-    fallback: bool = True,
+    fallback: bool = True, masks: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """[holes | pending | drafts | L masks | L fallback masks] per row (exact.verify_window, batched).
 
@@ -66,18 +66,23 @@ def verify_block(
     sit right after its newest pending token and do not see its drafts or main masks;
     none are fed without ``fallback`` or when no row has drafts, and a row without drafts
     gets holes there (it reads no fallback: a backend that skips holes does no work for them).
+    Without ``masks`` (a layout in turns, exact.Layout) a row is fed [holes | pending | drafts], or
+    [holes | pending | L masks] when it has no drafts, and nothing after: no fallback group either.
     """
-    real, real_attn = left_pad([p + d for p, d in zip(pending, drafts)], pad_id)  # (A, n), holes on the left
-    g = L if fallback and any(drafts) else 0  # no fallback group asked for, or no row has drafts
-    n, width = len(real[0]), len(real[0]) + L + g
+    trail = L if masks else 0  # masks after every row's real part
+    real, real_attn = left_pad([p + c for p, c in zip(pending, _candidates(drafts, L, masks, mask_id))], pad_id)
+    g = L if masks and fallback and any(drafts) else 0  # no fallback group asked for, or no row has drafts
+    n = len(real[0])
+    width = n + trail + g
     # built in numpy, then handed to torch once: a batch's every verifying pass does this (~20 torch ops before)
-    ids = np.array([row + [mask_id] * (L + g) for row in real], dtype=np.int64)
-    first = np.array([pos - (n - len(p) - len(d)) for pos, p, d in zip(next_pos, pending, drafts)], dtype=np.int64)
+    ids = np.array([row + [mask_id] * (trail + g) for row in real], dtype=np.int64)
+    first = np.array([pos - (n - len(p) - a) for pos, p, a in zip(next_pos, pending, _afters(drafts, L, masks))],
+                     dtype=np.int64)
     positions = first[:, None] + np.arange(width)  # (A, width): real part and main masks continue the row
     after_pending = np.array([pos + len(p) for pos, p in zip(next_pos, pending)], dtype=np.int64)
-    positions[:, n + L :] = after_pending[:, None] + np.arange(g)
+    positions[:, n + trail :] = after_pending[:, None] + np.arange(g)
     drafted = np.array([len(d) > 0 for d in drafts])  # reads its fallback
-    present = np.concatenate([np.array(real_attn, dtype=bool), np.ones((len(real), L), dtype=bool),
+    present = np.concatenate([np.array(real_attn, dtype=bool), np.ones((len(real), trail), dtype=bool),
                               np.repeat(drafted[:, None], g, axis=1)], axis=1)
     if g:
         attention = np.tril(np.ones((width, width), dtype=bool))[None] & present[:, None, :]
@@ -89,30 +94,51 @@ def verify_block(
     return ids, positions, attention, n
 
 
+def _candidates(drafts: list[list[int]], L: int, masks: bool, mask_id: int) -> list[list[int]]:
+    """What each row feeds after its pending tokens in the real part of a verifying pass (verify_block): its drafts;
+    in turns (no ``masks``), a row without drafts its L masks instead."""
+    return [d if masks or d else [mask_id] * L for d in drafts]
+
+
+def _afters(drafts: list[list[int]], L: int, masks: bool) -> list[int]:
+    """How many columns follow each row's newest pending token in the real part (``_candidates``)."""
+    return [len(d) if masks or d else L for d in drafts]
+
+
+def _lookahead(draft: list[int], L: int, masks: bool) -> int:
+    """The masks a row's verdict reads after its drafts: L, or in turns none beside drafts (exact.read_verdict)."""
+    return L if masks or not draft else 0
+
+
 def verify_rows(
     logits: torch.Tensor, drafts: list[list[int]], L: int, tau: float, metric: str,
     rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None, fallback: bool = True,
+    masks: bool = True,
 ) -> list[exact.Verdict]:
     """Each row's verdict; at a temperature by ``rule``, each row's drafts drawn from its ``proposals``.
 
-    logits: (A, 1 + max drafts + L + fallback, vocab); a row's newest pending token is at column max - d;
-    ``fallback``: whether the pass fed the fallback group (verify_block).
+    logits: (A, 1 + most + L + fallback, vocab), most the longest row's columns after its newest pending token
+    (``_afters``), which sits at column most - that row's; ``fallback`` / ``masks``: what the pass fed
+    (verify_block).
     """
-    most, greedy = max(map(len, drafts)), rule is None or rule.sampling.greedy
+    afters, greedy = _afters(drafts, L, masks), rule is None or rule.sampling.greedy
+    most = max(afters)
     if greedy:  # every row's greedy tokens and confidences in one call and one sync
         tokens, conf = (t.tolist() for t in greedy_confidence(logits, metric))
     verdicts = []
     for r, d in enumerate(drafts):
-        start, back = most - len(d), slice(-L, None) if d and fallback else slice(0, 0)
+        ahead = _lookahead(d, L, masks)
+        start = most - afters[r]
+        stop, back = start + 1 + len(d) + ahead, slice(-L, None) if d and fallback and masks else slice(0, 0)
         if greedy:
             tok, cf = tokens[r], conf[r]
-            verdicts.append(exact.read_verdict(tok[start : start + 1 + len(d) + L] + tok[back],
-                                               cf[start : start + 1 + len(d) + L] + cf[back], d, L, tau, metric))
+            verdicts.append(exact.read_verdict(tok[start:stop] + tok[back], cf[start:stop] + cf[back], d, ahead, tau,
+                                               metric))
             continue
-        rows = logits[r, start : start + 1 + len(d) + L]
-        if d and fallback:
-            rows = torch.cat([rows, logits[r, -L:]])
-        verdicts.append(rule.verify(rows, d, L, tau, metric, proposals[r]))
+        rows = logits[r, start:stop]
+        if d and fallback and masks:
+            rows = torch.cat([rows, logits[r, back]])
+        verdicts.append(rule.verify(rows, d, ahead, tau, metric, proposals[r]))
     return verdicts
 
 
@@ -195,36 +221,44 @@ class TokenBatch:
         """One forward pass for every active row; (a step per book row, columns fed). Finished rows leave."""
         started, rows = time.perf_counter(), len(self.active)
         if self.verifying:
-            depth, fallback = self._depth(tau)
-            for r in self.active:  # exact passes also draft by lookup, as decode_passes does
-                self.drafts[r], self.proposals[r] = speculative.pick_drafts(
-                    self.history[r], self.drafts[r], self.proposals[r], depth, tau >= 1.0
-                )
-            drafted = {r: len(self.drafts[r]) for r in self.active}
-            if depth:
-                steps, fed = _verify_pass(
-                    self.kv, self.book, self.active, self.pending, self.drafts, self.next_pos, depth, self.mask_id,
-                    self.pad_id, tau, self.metric, self.rule, self.proposals, fallback,
-                )
-            else:  # nothing to verify and no masks: a plain AR pass, without the verifying pass's 4-D mask
-                steps, fed = self._window_pass(1.0)
-                for r in self.active:  # the others' steps are empty (a server's book holds every row it has run)
-                    steps[r] = replace(steps[r], origins=(exact.AR,) * len(steps[r].token_ids))
-            for r, count in drafted.items():
-                held = sum(o == exact.DRAFT for o in steps[r].origins)
-                self.depths.observe(count, held)
-                self.controller.observe_drafts(count, held)
-                self.history[r] += steps[r].token_ids
+            steps, fed, block = self._verifying_step(tau)
         else:
-            steps, fed = self._window_pass(tau)
+            (steps, fed), block = self._window_pass(tau), False
         self.active = self.kv.drop_finished(self.book, self.active)
         if self.passes:  # what the pass cost against its price (the prefill is priced apart)
-            self.controller.passed(rows, fed, time.perf_counter() - started)
+            self.controller.passed(rows, fed, time.perf_counter() - started, block)
         self.passes += 1
         return steps, fed
 
-    def _depth(self, tau: float) -> tuple[int, bool]:
-        """Drafts (and masks per group) of the next verifying pass, and whether it feeds the fallback group: by
+    def _verifying_step(self, tau: float) -> tuple[list[RowStep], int, bool]:
+        """A verifying pass for every active row, or a plain AR pass where no draft pays: (steps, columns fed,
+        whether the pass ran under a 4-D mask)."""
+        layout, active = self._layout(tau), self.active
+        if not layout.depth:  # nothing to verify and no masks: an AR pass, without a verifying pass's host work
+            for r in active:  # (a draft kept from an earlier pass would be checked at the wrong place later)
+                self.drafts[r], self.proposals[r] = [], None
+            steps, fed = self._window_pass(1.0, exact.AR)
+            for r in active:
+                self.history[r] += steps[r].token_ids
+            return steps, fed, False
+        for r in active:  # exact passes also draft by lookup, as decode_passes does
+            self.drafts[r], self.proposals[r] = speculative.pick_drafts(
+                self.history[r], self.drafts[r], self.proposals[r], layout.depth, tau >= 1.0
+            )
+        drafted = {r: len(self.drafts[r]) for r in active}
+        steps, fed, block = _verify_pass(
+            self.kv, self.book, active, self.pending, self.drafts, self.next_pos, layout, self.mask_id, self.pad_id,
+            tau, self.metric, self.rule, self.proposals,
+        )
+        for r, count in drafted.items():
+            held = sum(o == exact.DRAFT for o in steps[r].origins)
+            self.depths.observe(count, held)
+            self.controller.observe_drafts(count, held)
+            self.history[r] += steps[r].token_ids
+        return steps, fed, block
+
+    def _layout(self, tau: float) -> exact.Layout:
+        """The next verifying pass's drafts (and masks per group), fallback group and masks beside the drafts: by
         expected tokens per ms at this many rows (exact.DraftDepth; hybrid passes keep the fallback group, whose
         masks it may accept, as one sequence's do).
 
@@ -234,24 +268,27 @@ class TokenBatch:
         """
         surface, most = self.controller.surface, self.B - 1
         if surface is None:
-            return most, True
+            return exact.Layout(most, True)
         rows, depths = len(self.active) + (0 if self.passes else self.joins), self.depths
         # the surface's prices against the passes seen at this many rows (WidthController.passed)
-        scale = self.controller.prices.of(rows)
-        depths.costs, depths.rows = {w: surface.ms(rows, w) * scale[w > 1] for w in range(1, 3 * most + 2)}, rows
-        fallbacks = (True, False) if tau >= 1.0 else (True,)
-        depths.layout(fallbacks)  # where AR passes win, the shares fade back to where they began
-        (depth, fallback), rate, plain = depths.weighed  # the best drafting layout, its rate and AR's
+        factor, widths = self.controller.prices.factor, range(1, 3 * most + 2)
+        depths.costs, depths.rows = {w: surface.ms(rows, w) * factor(rows, w) for w in widths}, rows
+        depths.block_costs = {w: surface.ms(rows, w) * factor(rows, w, True) for w in widths}
+        kinds = (exact.WITH_FALLBACK, exact.CHAIN, exact.IN_TURNS) if tau >= 1.0 else (exact.WITH_FALLBACK,)
+        depths.layout(kinds)  # where AR passes win, the shares fade back to where they began
+        best, rate, plain = depths.weighed  # the best drafting layout, its rate and AR's
         gain = rate / plain
         if not self.passes:  # as the MARS width: a layout priced within a few percent may not pay
-            return (most if gain >= GAIN else 0), True
+            return exact.Layout(most if gain >= GAIN else 0, True)
         # (or a price is due a look; after AR passes no row has drafts, and a look's first pass only drafts)
-        first = 0.0 if any(self.drafts[r] for r in self.active) else depths.cost(1 + depth) / depths.cost(1) - 1
-        depth = depth if self.controller.settle(rows, gain, first) else 0
-        self.controller.last = (1 + depth, gain if depth else 1.0)
-        return depth, fallback
+        first = 0.0 if any(self.drafts[r] for r in self.active) else depths.cost(1 + best.depth) / depths.cost(1) - 1
+        chosen = best if self.controller.settle(rows, gain, first) else best._replace(depth=0)
+        self.controller.last = (1 + chosen.depth, gain if chosen.depth else 1.0)
+        return chosen
 
-    def _window_pass(self, tau: float) -> tuple[list[RowStep], int]:
+    def _window_pass(self, tau: float, origin: str | None = None) -> tuple[list[RowStep], int]:
+        """A MARS window pass for every active row (an AR pass at width 1); ``origin``: what every committed token is
+        marked as come from (a verifying batch's AR pass: exact.AR)."""
         active, book, controller = self.active, self.book, self.controller
         rooms = [book.room(r) for r in active]
         for r in active:
@@ -275,7 +312,8 @@ class TokenBatch:
                 controller.observe(hits[i], tau, widths[i] - 1, len(tokens[i]) - 1)
             self.next_pos[r] += len(self.pending[r])
             self.pending[r] = list(steps[r].token_ids)
-            steps[r] = replace(steps[r], width=widths[i])
+            marked = {"origins": (origin,) * len(steps[r].token_ids)} if origin else {}
+            steps[r] = replace(steps[r], width=widths[i], **marked)
         return steps, window.width
 
     @torch.inference_mode()
@@ -316,36 +354,38 @@ class TokenBatch:
 
 def _verify_pass(
     kv: PaddedCache, book: RowBook, active: list[int], pending: list[list[int]], drafts: list[list[int]],
-    next_pos: list[int], L: int, mask_id: int, pad_id: int, tau: float, metric: str,
-    rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None, fallback: bool = True,
-) -> tuple[list[RowStep], int]:
+    next_pos: list[int], layout: exact.Layout, mask_id: int, pad_id: int, tau: float, metric: str,
+    rule: speculative.Rule | None = None, proposals: list[torch.Tensor | None] | None = None,
+) -> tuple[list[RowStep], int, bool]:
     """One verifying pass for every active row: feed, verify, commit, and keep in the cache only verified columns.
 
-    Updates pending, drafts, proposals (each row's drafts' q, at a temperature) and next_pos in place; returns the
-    steps and the columns fed.
+    ``layout``: its depth L (drafts, and masks per group), the fallback group, masks beside the drafts. Updates
+    pending, drafts, proposals (each row's drafts' q, at a temperature) and next_pos in place; returns the steps, the
+    columns fed and whether the pass ran under a 4-D mask (a fallback group).
     """
+    L, fallback, masks = layout
     rows_pending, rows_drafts = [pending[r] for r in active], [drafts[r] for r in active]
-    cached = kv.length
+    cached, afters = kv.length, _afters(rows_drafts, L, masks)
     ids, positions, attention, n = verify_block(
-        rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device, fallback
+        rows_pending, rows_drafts, [next_pos[r] for r in active], L, mask_id, pad_id, kv.attn.device, fallback, masks
     )
-    keep = 1 + max(map(len, rows_drafts)) + ids.shape[1] - n
+    keep = 1 + max(afters) + ids.shape[1] - n
     if attention.dim() == 2:  # no fallback group: a causal pass, under the cache's 2-D padding mask
         logits = kv.forward_padded(ids, positions, attention, keep)
     else:
         logits = kv.forward_block(ids, positions, attention, keep)
     rows_q = [proposals[r] for r in active] if proposals is not None else None
-    verdicts = verify_rows(logits, rows_drafts, L, tau, metric, rule, rows_q, fallback)
+    verdicts = verify_rows(logits, rows_drafts, L, tau, metric, rule, rows_q, fallback, masks)
     steps = book.commit_all(active, [v.tokens for v in verdicts], [v.confidences for v in verdicts])
     # each row's columns up to its last verified draft
-    kept = [n - len(d) + v.cached for d, v in zip(rows_drafts, verdicts)]
+    kept = [n - after + v.cached for after, v in zip(afters, verdicts)]
     kv.crop(ids.shape[1] - max(kept))  # both mask groups and the drafts no row kept
     for i, (r, v) in enumerate(zip(active, verdicts)):
         kv.hide(i, cached + kept[i], cached + max(kept))  # this row's rejected drafts, kept for another row's sake
-        width = 1 + len(rows_drafts[i]) + L
+        width = 1 + len(rows_drafts[i]) + _lookahead(rows_drafts[i], L, masks)
         steps[r] = replace(steps[r], origins=tuple(v.origins[: len(steps[r].token_ids)]), width=width)
         next_pos[r] += len(pending[r]) + v.cached
         pending[r], drafts[r] = v.tokens[v.cached :], v.drafts
         if proposals is not None:
             proposals[r] = v.proposal
-    return steps, ids.shape[1]
+    return steps, ids.shape[1], attention.dim() > 2
