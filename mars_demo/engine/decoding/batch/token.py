@@ -127,16 +127,16 @@ def verify_rows(
         tokens, conf = (t.tolist() for t in greedy_confidence(logits, metric))
     verdicts = []
     for r, d in enumerate(drafts):
-        ahead = _lookahead(d, L, masks)
+        ahead, read_back = _lookahead(d, L, masks), bool(d) and fallback and masks  # its fallback group: last L
         start = most - afters[r]
-        stop, back = start + 1 + len(d) + ahead, slice(-L, None) if d and fallback and masks else slice(0, 0)
+        stop, back = start + 1 + len(d) + ahead, slice(-L, None) if read_back else slice(0, 0)
         if greedy:
             tok, cf = tokens[r], conf[r]
             verdicts.append(exact.read_verdict(tok[start:stop] + tok[back], cf[start:stop] + cf[back], d, ahead, tau,
                                                metric))
             continue
         rows = logits[r, start:stop]
-        if d and fallback and masks:
+        if read_back:
             rows = torch.cat([rows, logits[r, back]])
         verdicts.append(rule.verify(rows, d, ahead, tau, metric, proposals[r]))
     return verdicts

@@ -47,7 +47,7 @@ static inline float dot(const float* q, const KV* k, int64_t d) {
   return s;
 }
 
-// While a block of eight keys is scored, the keys AHEAD positions on and the values of the eight are
+// While a block of eight keys is scored, the keys AHEAD visible keys on and the values of the eight are
 // asked for (prefetches: no bits change). A batch's rows each read their own keys and values, so at
 // 8 rows of a few hundred keys those are a quarter of the bytes a pass reads; read one short
 // stream after another they came at about half the rate the weights stream at. With both in flight
