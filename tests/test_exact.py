@@ -222,6 +222,27 @@ def test_draft_depth_follows_the_cost_curve_and_the_drafts_held():
     assert depth.held == [2, 1, 1] and depth.tried == [3, 3, 2]
 
 
+def test_a_kind_whose_passes_yield_less_than_the_model_expects_gives_way():
+    kinds = (exact.WITH_FALLBACK, exact.CHAIN, exact.IN_TURNS)
+    depths = exact.DraftDepth(3, {1: 10.0, 2: 10.5, 3: 11.0, 4: 13.0, 5: 16.0, 7: 20.0, 10: 25.0})
+    depths.rows = 4
+    turns = depths.layout(kinds)
+    assert turns == (2, False, False) and depths.correction(exact.IN_TURNS) == 1.0  # on the model alone
+    on_the_model, expected = depths.rate(*turns), depths.expected[1]
+    depths.observe_yield(exact.Layout(1, True), 5.0)  # a layout other than the one weighed shows nothing
+    assert depths.yields == {}
+    passes = 0
+    while depths.layout(kinds) == turns:  # its passes commit 0.8 of the tokens the model expects of them
+        depths.observe_yield(turns, 0.8 * expected)
+        passes += 1
+        assert passes < 20
+    assert depths.layout(kinds) == (1, False, True)  # the chain with masks takes over
+    correction = depths.correction(exact.IN_TURNS)
+    assert 0.8 < correction < 0.98 and depths.correction(exact.CHAIN) == 1.0
+    assert depths.rate(*turns) == pytest.approx(on_the_model * correction)
+    assert depths.rate(0, True) == pytest.approx(1 / 10.0)  # a plain AR pass is never scaled
+
+
 def test_exact_on_a_linear_curve_feeds_one_token_passes_and_stays_exact(lm, monkeypatch):
     from mars_demo.engine.backends.cpu.paths import ComputePath
 

@@ -31,7 +31,7 @@ from mars_demo.engine.decoding.width import Hits, Prices, WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import Load, parse_policy
 
-from conftest import PROMPTS
+from conftest import PROMPTS, make_lm
 
 ROWS, WIDTHS = (1, 2, 4, 8), (1, 2, 3, 4, 8, 16)
 FREE = Surface.from_cost(lambda r, w: 5.0 + r, rows=ROWS, widths=WIDTHS, name="free")  # width costs nothing
@@ -580,6 +580,26 @@ def test_exact_batches_in_turns_are_greedy_ar(tiny_lm, monkeypatch):
     assert False in seen and out == ar  # passes in turns (no masks beside the drafts), greedy AR's text
     widths = {step.width for event in events[1:] for step in event.rows if step.token_ids}
     assert widths <= {1, 2}  # every row fed its pending token and one draft or one mask
+
+
+def test_verifying_batches_share_what_their_layouts_yielded_and_stay_greedy_ar():
+    lm = make_lm("llama")  # whose masks guess right often enough for drafts to pay: a bias towards four tokens
+    bias = torch.zeros(lm.model.config.vocab_size)
+    bias[[50, 60, 70, 80]] = 7.0
+    lm.model.lm_head.bias = torch.nn.Parameter(bias)
+    flat = Surface.from_cost(lambda r, w: 10.0, rows=ROWS, widths=WIDTHS, name="yields")
+    ids = _ids(lm)
+    ar, _ = _batch(lm, ids, 1.0)
+    first = WidthController(flat, 4, verifying=True)
+    out, _ = _batch(lm, ids, 1.0, verifying=True, controller=first)
+    yields = first.draft_yields()
+    assert out == ar and yields  # passes of a weighed drafting layout were counted, the text is AR's
+    assert all(0 < realized and 0 < expected for realized, expected in yields.values())
+    before = copy.deepcopy(yields)
+    again = WidthController(flat, 4, verifying=True)
+    assert again.draft_yields() is yields  # a later batch on this surface starts from them
+    out, _ = _batch(lm, ids, 1.0, verifying=True, controller=again)
+    assert out == ar and yields != before
 
 
 def test_exact_batches_without_fallback_masks_are_greedy_ar(tiny_lm, monkeypatch):

@@ -172,15 +172,24 @@ class DraftDepth:
     evidence against it, many (a sampled run's first rejections would otherwise leave it on AR passes
     for good). The layout changes the width of passes, never which
     tokens are committed.
+    The chain model misses what a kind's passes do beyond it: a row whose pass verified without masks often
+    copies its next drafts from its own text and verifies again, and the fallback group's drafts hold less
+    often than copies. So each kind's rate is scaled by the tokens its passes realized against the model's
+    expectation (``yields``: running sums per kind, shared across a controller's batches), learned only
+    while that kind is taken.
     """
 
     PRIOR = (1, 2)  # pseudo-counts (held, tried) per depth: a first guess of one in two
     FADE = 0.9  # what an AR pass leaves of the counts past the prior
+    YIELD_PRIOR = 8.0  # pseudo-passes of a kind's yield at the model's word
+    YIELD_DECAY = 0.98  # a kind's yield follows its last ~50 passes
 
     def __init__(
-        self, most: int, costs: dict[int, float] | None, start: tuple[list[float], list[float]] | None = None
+        self, most: int, costs: dict[int, float] | None, start: tuple[list[float], list[float]] | None = None,
+        yields: dict[tuple[bool, bool], list[float]] | None = None,
     ) -> None:
-        """``start``: pseudo-counts (held, tried) per depth to begin from and fade back to; None: the prior."""
+        """``start``: pseudo-counts (held, tried) per depth to begin from and fade back to; None: the prior.
+        ``yields``: (realized, expected) tokens of passes per kind to share (class docstring); None: this run's."""
         self.most = most
         self.costs = dict(sorted(costs.items())) if costs else None
         self.start = start or ([float(self.PRIOR[0])] * most, [float(self.PRIOR[1])] * most)
@@ -190,6 +199,8 @@ class DraftDepth:
         # (a batch on a CPU: the mask is built and read; token.py); None: the same
         self.block_costs: dict[int, float] | None = None
         self.weighed: tuple[Layout, float, float] = (Layout(most, True), 1.0, 1.0)  # see layout
+        self.yields = {} if yields is None else yields
+        self.expected: tuple[Layout, float] | None = None  # the weighed drafting layout's tokens a pass, on the model
 
     def observe(self, drafted: int, held: int) -> None:
         """A pass verified ``drafted`` drafts and kept the first ``held``: depth j was tried if j - 1 held."""
@@ -208,18 +219,37 @@ class DraftDepth:
         slope = max(0.0, (costs[last] - costs[before]) / max(last - before, 1))
         return costs[last] + slope * (width - last)
 
-    def rate(self, depth: int, fallback: bool, masks: bool = True) -> float:
-        """Expected committed tokens per ms of the layout, in the long run."""
+    def per_pass(self, depth: int, fallback: bool, masks: bool = True) -> tuple[float, float]:
+        """The chain model's (tokens, ms) of the layout's average pass, in the long run."""
         reach, expected = 1.0, 1.0
         for j in range(depth):
             reach *= self.held[j] / self.tried[j]
             expected += reach
         if not masks:  # in turns: a verifying pass, then a drafting one, both 1 + depth wide
-            return (expected + 1.0) / (2 * self.cost(1 + depth))
+            return (expected + 1.0) / 2, self.cost(1 + depth)
         to_bare = 0.0 if fallback else 1.0 - reach  # chance a pass with drafts leaves the next without
         with_drafts = self.cost(1 + (3 if fallback else 2) * depth, block=fallback)
         bare = self.cost(1 + depth) if self.rows == 1 else with_drafts  # in a batch: the drafting rows' width
-        return (expected + to_bare) / (with_drafts + to_bare * bare)
+        return (expected + to_bare) / (1 + to_bare), (with_drafts + to_bare * bare) / (1 + to_bare)
+
+    def rate(self, depth: int, fallback: bool, masks: bool = True) -> float:
+        """Expected committed tokens per ms of the layout, in the long run, scaled by its kind's yield."""
+        tokens, ms = self.per_pass(depth, fallback, masks)
+        return tokens * self.correction((fallback, masks)) / ms if depth else tokens / ms
+
+    def correction(self, kind: tuple[bool, bool]) -> float:
+        """Tokens a kind's passes realized over what the model expected of them (1 until its passes are seen)."""
+        realized, expected = self.yields.get(kind, (0.0, 0.0))
+        return (realized + self.YIELD_PRIOR) / (expected + self.YIELD_PRIOR)
+
+    def observe_yield(self, layout: Layout, tokens: float) -> None:
+        """A pass of ``layout`` committed ``tokens`` a row: its kind's yield, where ``layout`` is the drafting one
+        last weighed (what the model expected of it then; a pass of any other layout shows nothing)."""
+        if self.expected is None or self.expected[0] != layout:
+            return
+        kind, decay = (layout.fallback, layout.masks), self.YIELD_DECAY
+        realized, expected = self.yields.get(kind, (0.0, 0.0))
+        self.yields[kind] = [realized * decay + tokens, expected * decay + self.expected[1]]
 
     def drafting(self, kinds: tuple[tuple[bool, bool], ...] = (WITH_FALLBACK, CHAIN)) -> tuple[Layout, float]:
         """The drafting layout (D >= 1) of the best rate on the curve among ``kinds`` ((fallback, masks) pairs),
@@ -236,7 +266,7 @@ class DraftDepth:
         if not self.costs or self.most < 1:
             return Layout(self.most, True)
         (best, rate), plain = self.drafting(kinds), self.rate(0, True)
-        self.weighed = best, rate, plain
+        self.weighed, self.expected = (best, rate, plain), (best, self.per_pass(*best)[0])
         if rate > plain:
             return best
         fade = self.FADE

@@ -284,11 +284,14 @@ class ChainRun:
         """One verifying pass; its verdict, width and shape (a chain: one 1 per draft)."""
         # Exact passes take the layout that pays on this machine; hybrid ones keep the window for the masks.
         # (One sequence's layouts all feed masks beside their drafts: the chain's default kinds.)
-        depth, fallback, _ = self.depths.layout() if tau >= 1.0 else exact.Layout(self.window - 1, True)
+        layout = self.depths.layout() if tau >= 1.0 else exact.Layout(self.window - 1, True)
+        depth, fallback, _ = layout
         drafts, proposal = speculative.pick_drafts(history, self.drafts, self.proposal, depth, tau >= 1.0)
         verdict, width = verify_pass(backend, cache, pending, drafts, depth, self.mask_id, tau, metric, fallback,
                                      self.rule, proposal)
         self.depths.observe(len(drafts), verdict.cached)
+        if tau >= 1.0 and depth and self.depths.costs:  # a drafting layout the model weighed
+            self.depths.observe_yield(layout, len(verdict.tokens))
         self.drafts, self.proposal = verdict.drafts, verdict.proposal
         return verdict, width, (1,) * len(drafts)
 

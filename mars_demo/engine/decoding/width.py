@@ -301,6 +301,11 @@ class WidthController:
         self.drafts = self.shared.setdefault(("drafts", depth), Hits(depth, self.POOLED_DECAY))
         return _start_from(self.drafts, depth)
 
+    def draft_yields(self) -> dict:
+        """Tokens verifying passes realized against DraftDepth's model, per layout kind: what earlier batches on this
+        surface showed (exact.DraftDepth.observe_yield)."""
+        return self.shared.setdefault("draft yields", {})
+
     def observe_drafts(self, drafted: int, held: int) -> None:
         """A row's verifying pass checked ``drafted`` drafts and kept the first ``held``: the pooled share."""
         if drafted and self.drafts is not None:  # a row with no drafts shows nothing about them

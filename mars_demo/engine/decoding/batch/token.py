@@ -211,7 +211,9 @@ class TokenBatch:
         self.controller = controller or WidthController(None, block_size)
         self.hits: list[Hits | None] = [None] * len(prompts)  # each row's running acceptance, made at its first use
         # verifying: the share of drafts held, from what earlier batches on this surface showed
-        self.depths = exact.DraftDepth(block_size - 1, None, self.controller.start_drafts(block_size - 1))
+        self.depths = exact.DraftDepth(
+            block_size - 1, None, self.controller.start_drafts(block_size - 1), self.controller.draft_yields()
+        )
         self.passes = 0
         self.plain: tuple[int, float, int] | None = None  # (rows, tau, passes left) of a plain pass that stands
         self.joins = 0  # rows of a running batch these join after their prefill (a server's newcomers): their
@@ -256,6 +258,8 @@ class TokenBatch:
             self.depths.observe(count, held)
             self.controller.observe_drafts(count, held)
             self.history[r] += steps[r].token_ids
+        if self.passes and self.depths.costs:  # a layout the model weighed (the prefill's is priced apart)
+            self.depths.observe_yield(layout, sum(len(steps[r].token_ids) for r in active) / len(active))
         return steps, fed, block
 
     def _layout(self, tau: float) -> exact.Layout:
