@@ -64,6 +64,23 @@ def test_the_kernel_returns_the_exact_integer_arithmetic_for_every_row_count(out
         assert torch.equal(linear(x), reference(weight, b, x)), n
 
 
+@needs_kernel
+@pytest.mark.parametrize("tiles", int8gemm.TILINGS)
+def test_both_tilings_return_the_exact_integer_arithmetic_for_every_row_count(tiles):
+    """Tall tiles (16 rows with AVX-512) and short ones (8, the last up to 12) add the same integers."""
+    loaded, chosen = native.library(native.INCLUDED_IN["int8_linear"]), int8gemm.tiling()
+    assert chosen in int8gemm.TILINGS  # measured on this CPU when the kernel was loaded
+    weight, b = weights(80, 96)
+    linear = RowInt8Linear(weight, b)
+    try:
+        loaded.int8_tiling(int8gemm.TILINGS.index(tiles))
+        for n in (1, 7, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 33, 70):
+            x = awkward_rows(n, 96, seed=n)
+            assert torch.equal(linear(x), reference(weight, b, x)), n
+    finally:
+        loaded.int8_tiling(int8gemm.TILINGS.index(chosen))
+
+
 # What CPUs with fewer instruction sets than this one run, built here with them switched off: the
 # scalar loop (no AVX2), AVX2's 4-row tiles with three-step dot products or AVX-VNNI's one, and
 # AVX-512's 8-row tiles without int8 dot products. Where this CPU lacks a set, a build is what it runs.
@@ -80,13 +97,16 @@ LESSER_BUILDS = {
 def test_the_loops_of_lesser_cpus_return_the_same_arithmetic(build, tmp_path, monkeypatch):
     """Each loop reads the same packed weights and gives the same exact sums, whatever its tile's rows."""
     monkeypatch.setattr(native, "TUNE", LESSER_BUILDS[build])
-    function = ctypes.CDLL(str(native.build("int8_linear", native.compiler(), tmp_path))).int8_linear
-    function.argtypes, function.restype = int8gemm.kernel().argtypes, ctypes.c_int
+    built = ctypes.CDLL(str(native.build("int8_linear", native.compiler(), tmp_path)))
+    function, tiling = built.int8_linear, built.int8_tiling
+    function.argtypes, function.restype, tiling.argtypes = int8gemm.kernel().argtypes, ctypes.c_int, [ctypes.c_int64]
     weight, b = weights(37, 101)
     kernel_weights = RowInt8Linear(weight, b).weights
-    for n in (1, 5, 21):  # tiles of 4 or 16 rows, and the rest
-        x = awkward_rows(n, 101, seed=n)
-        assert torch.equal(kernel_weights.linear(function, x), reference(weight, b, x)), n
+    for tiles in range(len(int8gemm.TILINGS)):
+        tiling(tiles)
+        for n in (1, 5, 13, 21):  # tiles of 4, 8 or 16 rows, and the rest
+            x = awkward_rows(n, 101, seed=n)
+            assert torch.equal(kernel_weights.linear(function, x), reference(weight, b, x)), (tiles, n)
 
 
 @needs_kernel

@@ -16,6 +16,7 @@ Built on first use (native.py). Without a compiler, or with ``MARS_DEMO_INT8GEMM
 from __future__ import annotations
 
 import ctypes
+import time
 from functools import cache
 
 import torch
@@ -29,10 +30,49 @@ INVERSE_STEP = float(1.0 / torch.tensor(INPUT_STEP, dtype=torch.float32))
 _I, _P = ctypes.c_int64, ctypes.c_void_p
 
 
+ARGTYPES = [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_float, _I]
+
+
 @cache
 def kernel():
     """The native int8 linear (a ctypes function), or None: switched off, no compiler, or the build failed."""
-    return native.function("int8_linear", INT8GEMM_ENV, [_P, _I, _I, _I, _P, _P, _P, _P, _I, _P, ctypes.c_float, _I])
+    found = native.function("int8_linear", INT8GEMM_ENV, ARGTYPES)
+    if found is not None:
+        tiling()
+    return found
+
+
+TILINGS = ("tall", "short")  # csrc/int8_linear.cpp's int8_tiling: 0, 1
+TILING_ROUNDS = 9
+
+
+@cache
+def tiling() -> str | None:
+    """How the GEMM tiles the rows of a wide call on this CPU: the faster of "tall" (AVX-512: tiles of 16 rows) and
+    "short" (8, the last up to 12), timed in turns on a synthetic layer at 16 and 32 rows once a process, then set
+    in the library that holds the linear (the decoder's, where it is built: every native linear then tiles so).
+    None: no such library. The same bits either way; which is faster depends on the CPU's load ports and
+    registers (BENCHMARKS.md, "Many requests at once")."""
+    loaded = native.library(native.INCLUDED_IN.get("int8_linear", "int8_linear")) or native.library("int8_linear")
+    if loaded is None or not hasattr(loaded, "int8_tiling"):
+        return None
+    linear, choose = loaded.int8_linear, loaded.int8_tiling
+    linear.argtypes, linear.restype, choose.argtypes, choose.restype = ARGTYPES, ctypes.c_int, [_I], None
+    generator = torch.Generator().manual_seed(0)
+    layer = Weights(torch.randint(-64, 64, (1536, 576), dtype=torch.int8, generator=generator),
+                    torch.ones(1536), None)
+    inputs = [torch.randn(rows, 576, generator=generator) for rows in (16, 32)]
+    best = [float("inf")] * len(TILINGS)
+    for round_ in range(TILING_ROUNDS):  # in turns, the order reversed every other round; the fastest of each
+        for choice in (0, 1) if round_ % 2 else (1, 0):
+            choose(choice)
+            started = time.perf_counter()
+            for x in inputs:
+                layer.linear(linear, x)
+            best[choice] = min(best[choice], time.perf_counter() - started)
+    chosen = min(range(len(TILINGS)), key=best.__getitem__)
+    choose(chosen)
+    return TILINGS[chosen]
 
 
 DEPTH, TILE = 4, 16  # csrc/int8_linear.cpp's packing: blocks of 16 columns by 4 inputs

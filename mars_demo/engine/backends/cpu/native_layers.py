@@ -64,7 +64,10 @@ STRUCTS = {"Int8Weights": _Int8Weights, "Layer": _Layer, "Pass": _Pass}  # decod
 def kernel():
     """The native decoder layers (a ctypes function), or None: switched off, no compiler, the build failed, or a
     struct's layout differs from decoder.cpp's."""
-    return native.function("decoder", DECODER_ENV, [_P, _P, _I], STRUCTS)
+    found = native.function("decoder", DECODER_ENV, [_P, _P, _I], STRUCTS)
+    if found is not None:
+        int8gemm.tiling()  # its linears are int8_linear.cpp's: tiled as measured on this CPU
+    return found
 
 
 @cache

@@ -22,6 +22,10 @@
 // (AVX-512 VNNI, AVX-VNNI) one vpdpbusd does the work of vpmaddubsw + vpmaddwd + vpaddd. With
 // AVX-512's 32 vector registers a tile takes 16 rows, so a pass of up to 16 tokens reads each
 // weight once; AVX2's 16 registers hold 4 rows. Without AVX2 a scalar loop reads the same layout.
+// Short tiles (int8_tiling) take AVX-512 rows 8 at a time instead, the last tile up to 12: a
+// block's bytes are read again from L1 for each tile, but on some CPUs (the broadcasts' loads, the
+// accumulators' chains) the shorter tile's steps run enough faster to pay. int8gemm.tiling times
+// both on the CPU at hand and sets the faster.
 //
 // Built at run time by native.py (g++ -O3 -march=native -fopenmp -ffp-contract=off, no fast-math) and
 // called through ctypes.
@@ -173,7 +177,13 @@ inline void tile(const Linear& L, int64_t r0, int64_t t) {
 #undef STORE
 }
 
-// rows r .. L.rows - 1 (fewer than TILE_ROWS) of tile t, in one tile of their number
+#if defined(__AVX512BW__)
+constexpr int SHORT_ROWS = 8, SHORT_MOST = 12;
+#else  // AVX2's 4-row tiles either way
+constexpr int SHORT_ROWS = TILE_ROWS, SHORT_MOST = TILE_ROWS;
+#endif
+
+// rows r .. L.rows - 1 (at most R) of tile t, in one tile of their number
 template <int R>
 inline void rest(const Linear& L, int64_t r, int64_t t) {
   if constexpr (R > 0) {
@@ -185,13 +195,20 @@ inline void rest(const Linear& L, int64_t r, int64_t t) {
 }
 #endif
 
+int64_t short_tiles = 0;  // int8_tiling
+
 // tiles t_from .. t_to - 1, every row
 void tiles(const Linear& L, int64_t t_from, int64_t t_to) {
 #if defined(__AVX2__)
   for (int64_t t = t_from; t < t_to; t++) {
     int64_t r = 0;
-    for (; r + TILE_ROWS <= L.rows; r += TILE_ROWS) tile<TILE_ROWS>(L, r, t);
-    rest<TILE_ROWS - 1>(L, r, t);
+    if (short_tiles) {
+      for (; L.rows - r > SHORT_MOST; r += SHORT_ROWS) tile<SHORT_ROWS>(L, r, t);
+      rest<SHORT_MOST>(L, r, t);
+    } else {
+      for (; r + TILE_ROWS <= L.rows; r += TILE_ROWS) tile<TILE_ROWS>(L, r, t);
+      rest<TILE_ROWS - 1>(L, r, t);
+    }
   }
 #else
   const int64_t depth = L.depth();
@@ -267,6 +284,10 @@ void run_linear(const Linear& L, int64_t threads) {
 }  // namespace
 
 extern "C" {
+
+// How later calls tile their rows: 0, tiles of TILE_ROWS; 1, short tiles (SHORT_ROWS, the last up to SHORT_MOST).
+// The same bits either way (exact integer sums).
+void int8_tiling(int64_t short_rows) { short_tiles = short_rows; }
 
 // y (rows, out) = the row-exact int8 linear of x (rows, in; rows `x_stride` floats apart) and the
 // packed weights. inverse: 1 / the input step (float), as fbgemm quantizes with. Returns 0, or 1
