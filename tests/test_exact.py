@@ -230,7 +230,7 @@ def test_a_kind_whose_passes_yield_less_than_the_model_expects_gives_way():
     assert turns == (2, False, False) and depths.correction(exact.IN_TURNS) == 1.0  # on the model alone
     on_the_model, expected = depths.rate(*turns), depths.expected[1]
     depths.observe_yield(exact.Layout(1, True), 5.0)  # a layout other than the one weighed shows nothing
-    assert depths.yields == {}
+    assert depths.yields.sums == {}
     passes = 0
     while depths.layout(kinds) == turns:  # its passes commit 0.8 of the tokens the model expects of them
         depths.observe_yield(turns, 0.8 * expected)

@@ -594,12 +594,12 @@ def test_verifying_batches_share_what_their_layouts_yielded_and_stay_greedy_ar()
     out, _ = _batch(lm, ids, 1.0, verifying=True, controller=first)
     yields = first.draft_yields()
     assert out == ar and yields  # passes of a weighed drafting layout were counted, the text is AR's
-    assert all(0 < realized and 0 < expected for realized, expected in yields.values())
-    before = copy.deepcopy(yields)
+    assert all(0 < realized and 0 < expected for realized, expected in yields.sums.values())
+    before = copy.deepcopy(yields.sums)
     again = WidthController(flat, 4, verifying=True)
     assert again.draft_yields() is yields  # a later batch on this surface starts from them
     out, _ = _batch(lm, ids, 1.0, verifying=True, controller=again)
-    assert out == ar and yields != before
+    assert out == ar and yields.sums != before
 
 
 def test_exact_batches_without_fallback_masks_are_greedy_ar(tiny_lm, monkeypatch):

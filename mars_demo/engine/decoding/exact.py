@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .acceptance import greedy_confidence
+from .yields import Yields
 
 # Where a committed token came from: the AR head of the pass, a verified draft, a mask accepted on confidence.
 AR, DRAFT, MASK = "ar", "draft", "mask"
@@ -181,12 +182,12 @@ class DraftDepth:
 
     PRIOR = (1, 2)  # pseudo-counts (held, tried) per depth: a first guess of one in two
     FADE = 0.9  # what an AR pass leaves of the counts past the prior
-    YIELD_PRIOR = 8.0  # pseudo-passes of a kind's yield at the model's word
+    YIELD_PRIOR = 8.0  # pseudo-passes of a kind's yield at the model's word (tokens a row)
     YIELD_DECAY = 0.98  # a kind's yield follows its last ~50 passes
 
     def __init__(
         self, most: int, costs: dict[int, float] | None, start: tuple[list[float], list[float]] | None = None,
-        yields: dict[tuple[bool, bool], list[float]] | None = None,
+        yields: Yields | None = None,
     ) -> None:
         """``start``: pseudo-counts (held, tried) per depth to begin from and fade back to; None: the prior.
         ``yields``: (realized, expected) tokens of passes per kind to share (class docstring); None: this run's."""
@@ -199,7 +200,7 @@ class DraftDepth:
         # (a batch on a CPU: the mask is built and read; token.py); None: the same
         self.block_costs: dict[int, float] | None = None
         self.weighed: tuple[Layout, float, float] = (Layout(most, True), 1.0, 1.0)  # see layout
-        self.yields = {} if yields is None else yields
+        self.yields = yields or Yields(self.YIELD_PRIOR, self.YIELD_DECAY)
         self.expected: tuple[Layout, float] | None = None  # the weighed drafting layout's tokens a pass, on the model
 
     def observe(self, drafted: int, held: int) -> None:
@@ -239,17 +240,14 @@ class DraftDepth:
 
     def correction(self, kind: tuple[bool, bool]) -> float:
         """Tokens a kind's passes realized over what the model expected of them (1 until its passes are seen)."""
-        realized, expected = self.yields.get(kind, (0.0, 0.0))
-        return (realized + self.YIELD_PRIOR) / (expected + self.YIELD_PRIOR)
+        return self.yields.ratio(kind)
 
     def observe_yield(self, layout: Layout, tokens: float) -> None:
         """A pass of ``layout`` committed ``tokens`` a row: its kind's yield, where ``layout`` is the drafting one
         last weighed (what the model expected of it then; a pass of any other layout shows nothing)."""
         if self.expected is None or self.expected[0] != layout:
             return
-        kind, decay = (layout.fallback, layout.masks), self.YIELD_DECAY
-        realized, expected = self.yields.get(kind, (0.0, 0.0))
-        self.yields[kind] = [realized * decay + tokens, expected * decay + self.expected[1]]
+        self.yields.add((layout.fallback, layout.masks), tokens, self.expected[1])
 
     def drafting(self, kinds: tuple[tuple[bool, bool], ...] = (WITH_FALLBACK, CHAIN)) -> tuple[Layout, float]:
         """The drafting layout (D >= 1) of the best rate on the curve among ``kinds`` ((fallback, masks) pairs),

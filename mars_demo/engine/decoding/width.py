@@ -38,7 +38,9 @@ import weakref
 from collections.abc import Sequence
 from itertools import pairwise
 
+from .exact import DraftDepth
 from .surface import Surface
+from .yields import Yields
 
 GAIN = 1.05  # a wider pass is taken only where it promises this much over one-token passes: the
 # surface is a model of what a pass costs, and a pass it prices within a few percent may not pay
@@ -301,10 +303,10 @@ class WidthController:
         self.drafts = self.shared.setdefault(("drafts", depth), Hits(depth, self.POOLED_DECAY))
         return _start_from(self.drafts, depth)
 
-    def draft_yields(self) -> dict:
+    def draft_yields(self) -> Yields:
         """Tokens verifying passes realized against DraftDepth's model, per layout kind: what earlier batches on this
         surface showed (exact.DraftDepth.observe_yield)."""
-        return self.shared.setdefault("draft yields", {})
+        return self.shared.setdefault("draft yields", Yields(DraftDepth.YIELD_PRIOR, DraftDepth.YIELD_DECAY))
 
     def observe_drafts(self, drafted: int, held: int) -> None:
         """A row's verifying pass checked ``drafted`` drafts and kept the first ``held``: the pooled share."""
