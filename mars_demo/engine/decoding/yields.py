@@ -1,8 +1,8 @@
 """Tokens passes committed against what a model expected of them: a correction for choosers that plan on a model.
 
-The width controller (width.py) and exact.DraftDepth choose each pass from a model of what it will commit (each
-row's running acceptance, a two-state chain of verifying passes). A model misses what it does not describe (rows
-that copy drafts from their own text, the row left when the fast ones have finished), and a chooser that takes the
+exact.DraftDepth chooses each verifying pass's layout from a model of what it will commit (a two-state chain of
+verifying and drafting passes). The model misses what it does not describe (rows that copy their next drafts from
+their own text, drafts from the fallback group that hold less often than copies), and a chooser that takes the
 best of several estimates takes the one that is most over-estimated. So each choice's expected tokens are kept
 beside the tokens its pass committed, per kind of choice, and the ratio scales that kind's expectation next time.
 """
