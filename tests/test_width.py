@@ -593,7 +593,7 @@ def test_verifying_batches_share_what_their_layouts_yielded_and_stay_greedy_ar()
     first = WidthController(flat, 4, verifying=True)
     out, _ = _batch(lm, ids, 1.0, verifying=True, controller=first)
     yields = first.draft_yields()
-    assert out == ar and yields  # passes of a weighed drafting layout were counted, the text is AR's
+    assert out == ar and yields.sums  # passes of a weighed drafting layout were counted, the text is AR's
     assert all(0 < realized and 0 < expected for realized, expected in yields.sums.values())
     before = copy.deepcopy(yields.sums)
     again = WidthController(flat, 4, verifying=True)
