@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from mars_demo.engine import machine
 from mars_demo.engine.backends.cpu import int8gemm, native, native_layers, paths, rowattn
 from mars_demo.engine.backends.cpu.quant import DYN_WEIGHT_QMAX, RowInt8Linear
 from mars_demo.engine.decoding import acceptance
@@ -26,6 +27,11 @@ def reference(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) 
     """RowInt8Linear's arithmetic in torch, the integer sums in int64: what either engine must return."""
     scale = weight.abs().amax(dim=1).clamp_min(1e-8) / DYN_WEIGHT_QMAX
     ints = torch.round(weight / scale[:, None]).clamp(-DYN_WEIGHT_QMAX, DYN_WEIGHT_QMAX).to(torch.int64)
+    return integer_reference(ints, scale, bias, x)
+
+
+def integer_reference(ints: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor):
+    """``reference`` from the integer weights and their channel scales."""
     row_max = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
     codes = torch.clamp(torch.round((x / row_max) * int8gemm.INVERSE_STEP), -128, 127).to(torch.int64)
     y = ((codes @ ints.T).float() * (torch.tensor(int8gemm.INPUT_STEP) * scale)) * row_max
@@ -81,6 +87,35 @@ def test_both_tilings_return_the_exact_integer_arithmetic_for_every_row_count(ti
         loaded.int8_tiling(int8gemm.TILINGS.index(chosen))
 
 
+@needs_kernel
+@pytest.mark.parametrize("into", int8gemm.PREFETCHES)
+def test_every_prefetch_returns_the_exact_integer_arithmetic(into):
+    """Tiles asking for the next tile's weights nowhere, into L1 or into L2 add the same integers, one row or many;
+    the weights of ones that prefetching times on give each row's exact sums too."""
+    loaded, chosen = int8gemm._holder(), int8gemm.prefetching()
+    assert chosen in int8gemm.PREFETCHES  # timed on this CPU at load
+    weight, b = weights(80, 96)
+    linear = RowInt8Linear(weight, b)
+    ones, all_ones = int8gemm.Weights.filled(40, 96), torch.ones(40, 96, dtype=torch.int64)
+    try:
+        loaded.int8_prefetch(int8gemm.PREFETCHES.index(into), int8gemm.PREFETCHES.index(into))
+        for n in (1, 2, 8, 13, 33):
+            x = awkward_rows(n, 96, seed=n)
+            assert torch.equal(linear(x), reference(weight, b, x)), n
+            filled = ones.linear(int8gemm.kernel(), x)
+            assert torch.equal(filled, integer_reference(all_ones, torch.ones(40), None, x))
+    finally:
+        loaded.int8_prefetch(*map(int8gemm.PREFETCHES.index, (int8gemm.ONE_ROW_PREFETCH, chosen)))
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("32768K", 32 << 20), ("1M", 1 << 20), ("512\n", 512), ("2G", 2 << 30), ("", None), ("big", None), ("K", None)],
+)
+def test_cache_sizes_are_read_as_sysfs_writes_them(text, size):
+    assert machine.cache_bytes(text) == size
+
+
 # What CPUs with fewer instruction sets than this one run, built here with them switched off: the
 # scalar loop (no AVX2), AVX2's 4-row tiles with three-step dot products or AVX-VNNI's one, and
 # AVX-512's 8-row tiles without int8 dot products. Where this CPU lacks a set, a build is what it runs.
@@ -102,8 +137,10 @@ def test_the_loops_of_lesser_cpus_return_the_same_arithmetic(build, tmp_path, mo
     function.argtypes, function.restype, tiling.argtypes = int8gemm.kernel().argtypes, ctypes.c_int, [ctypes.c_int64]
     weight, b = weights(37, 101)
     kernel_weights = RowInt8Linear(weight, b).weights
+    built.int8_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64]
     for tiles in range(len(int8gemm.TILINGS)):
         tiling(tiles)
+        built.int8_prefetch(tiles, len(int8gemm.PREFETCHES) - 1 - tiles)  # every ask, for one row and for more
         for n in (1, 5, 13, 21):  # tiles of 4, 8 or 16 rows, and the rest
             x = awkward_rows(n, 101, seed=n)
             assert torch.equal(kernel_weights.linear(function, x), reference(weight, b, x)), (tiles, n)

@@ -55,3 +55,24 @@ def cpu_identity() -> str:
 def cpu_features() -> str:
     """The instruction sets the CPU reports (a VM may hide some that its model name has)."""
     return _cpuinfo("flags") or _cpuinfo("Features") or platform.machine()
+
+
+def last_level_cache() -> int | None:
+    """Bytes of the first processor's largest cache level (Linux sysfs), None where it does not say."""
+    sizes = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), cache_bytes((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if size:
+            sizes[level] = size
+    return sizes[max(sizes)] if sizes else None
+
+
+def cache_bytes(size: str) -> int | None:
+    """A cache's size as sysfs writes it ("32768K", "1M", "512") in bytes; None for anything else."""
+    size = size.strip()
+    unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+    number = size[:-1] if unit > 1 else size
+    return int(number) * unit if number.isdigit() else None

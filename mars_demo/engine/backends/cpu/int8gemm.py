@@ -21,6 +21,7 @@ from functools import cache
 
 import torch
 
+from ...machine import last_level_cache
 from . import native
 
 INT8GEMM_ENV = "MARS_DEMO_INT8GEMM"  # "0": fbgemm (for comparisons, or where the kernel misbehaves)
@@ -38,8 +39,21 @@ def kernel():
     """The native int8 linear (a ctypes function), or None: switched off, no compiler, or the build failed."""
     found = native.function("int8_linear", INT8GEMM_ENV, ARGTYPES)
     if found is not None:
-        tiling()
+        tune()
     return found
+
+
+def tune() -> None:
+    """How the library that holds the linear tiles its rows and prefetches its weights: timed on this CPU, once a
+    process (``tiling``, ``prefetching``)."""
+    tiling()
+    prefetching()
+
+
+def _holder() -> ctypes.CDLL | None:
+    """The loaded library that holds the linear: the decoder's, where it is built (every native linear then runs
+    as it is set), else its own."""
+    return native.library(native.INCLUDED_IN.get("int8_linear", "int8_linear")) or native.library("int8_linear")
 
 
 TILINGS = ("tall", "short")  # csrc/int8_linear.cpp's int8_tiling: 0, 1
@@ -53,7 +67,7 @@ def tiling() -> str | None:
     in the library that holds the linear (the decoder's, where it is built: every native linear then tiles so).
     None: no such library. The same bits either way; which is faster depends on the CPU's load ports and
     registers (BENCHMARKS.md, "Many requests at once")."""
-    loaded = native.library(native.INCLUDED_IN.get("int8_linear", "int8_linear")) or native.library("int8_linear")
+    loaded = _holder()
     if loaded is None or not hasattr(loaded, "int8_tiling"):
         return None
     linear, choose = loaded.int8_linear, loaded.int8_tiling
@@ -73,6 +87,48 @@ def tiling() -> str | None:
     chosen = min(range(len(TILINGS)), key=best.__getitem__)
     choose(chosen)
     return TILINGS[chosen]
+
+
+PREFETCHES = ("none", "L1", "L2")  # csrc/int8_linear.cpp's int8_prefetch: 0, 1, 2
+ONE_ROW_PREFETCH = "L1"  # a one-row tile's, as it was: timed the synthetic way, asking nowhere read faster, but
+# inside the decoder the two were level (BENCHMARKS.md, "Many requests at once")
+PREFETCH_ROWS = 8  # a tile of several rows is timed at this many
+PREFETCH_ROUNDS = 5
+STREAM_LAYER = (3072, 576)  # the synthetic layers prefetching streams: the bundled model's gate/up linear
+STREAM_LEAST = 64 << 20  # bytes streamed where the CPU does not say its last-level cache's size
+
+
+@cache
+def prefetching() -> str | None:
+    """Where the GEMM's tiles of several rows ask for the next tile's weights (the fastest of PREFETCHES), timed in
+    turns on this CPU once a process and set in the library that holds the linear; tiles of one row ask into
+    ONE_ROW_PREFETCH. None: no such library.
+
+    A decoding pass streams its weights from memory layer by layer, so they are timed so: synthetic layers of
+    STREAM_LAYER's shape, twice the last-level cache's bytes in all (``machine.last_level_cache``; ~2.5 ms a
+    round). One large layer is no stand-in: the CPU's own prefetchers keep up with one long stream and not with
+    many short ones. A tile of eight rows does eight dot products a line it reads, and an ask into L1 can
+    displace what it is reading (BENCHMARKS.md, "Many requests at once"). The same bits either way."""
+    loaded = _holder()
+    if loaded is None or not hasattr(loaded, "int8_prefetch"):
+        return None
+    linear, choose = loaded.int8_linear, loaded.int8_prefetch
+    linear.argtypes, linear.restype, choose.argtypes, choose.restype = ARGTYPES, ctypes.c_int, [_I, _I], None
+    out, inputs = STREAM_LAYER
+    size = 2 * (last_level_cache() or STREAM_LEAST // 2)
+    layers = [Weights.filled(out, inputs) for _ in range(-(-size // (out * inputs)))]
+    x = torch.randn(PREFETCH_ROWS, inputs, generator=torch.Generator().manual_seed(0))
+    one, best = PREFETCHES.index(ONE_ROW_PREFETCH), [float("inf")] * len(PREFETCHES)
+    for round_ in range(PREFETCH_ROUNDS):  # in turns, the order rotating every round; the fastest of each
+        for choice in [(round_ + k) % len(PREFETCHES) for k in range(len(PREFETCHES))]:
+            choose(one, choice)
+            started = time.perf_counter()
+            for layer in layers:
+                layer.linear(linear, x)
+            best[choice] = min(best[choice], time.perf_counter() - started)
+    chosen = min(range(len(PREFETCHES)), key=best.__getitem__)
+    choose(one, chosen)
+    return PREFETCHES[chosen]
 
 
 DEPTH, TILE = 4, 16  # csrc/int8_linear.cpp's packing: blocks of 16 columns by 4 inputs
@@ -108,6 +164,17 @@ class Weights:
         self.sums = (ints.to(torch.int32).sum(dim=1) * 128).to(torch.int32).contiguous()
         # fbgemm's factor: the float step times the float channel scale, one rounding
         self.scales = (torch.tensor(INPUT_STEP, dtype=torch.float32) * weight_scale.float()).contiguous()
+
+    @classmethod
+    def filled(cls, out: int, inp: int) -> Weights:
+        """``out`` x ``inp`` weights of ones, made in the packed layout (whose order ones do not show) with no packing:
+        to time the kernel on more bytes than a layer holds (``prefetching``)."""
+        weights = cls.__new__(cls)
+        weights.bias, weights.out_features, weights.in_features = None, out, inp
+        weights.packed = torch.ones(-(-out // TILE) * TILE * -(-inp // DEPTH) * DEPTH, dtype=torch.int8)
+        weights.sums = torch.full((out,), 128 * inp, dtype=torch.int32)
+        weights.scales = torch.full((out,), INPUT_STEP, dtype=torch.float32)
+        return weights
 
     def linear(self, function, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` (n, in) fp32 with unit stride along ``in`` -> (n, out)."""

@@ -66,7 +66,7 @@ def kernel():
     struct's layout differs from decoder.cpp's."""
     found = native.function("decoder", DECODER_ENV, [_P, _P, _I], STRUCTS)
     if found is not None:
-        int8gemm.tiling()  # its linears are int8_linear.cpp's: tiled as measured on this CPU
+        int8gemm.tune()  # its linears are int8_linear.cpp's: tiled and prefetching as measured on this CPU
     return found
 
 

@@ -68,6 +68,11 @@ inline void finish(const Linear& L, int64_t r, int64_t c, int32_t sum) {
   L.y[r * L.out + c] = v;
 }
 
+// Where a tile asks for the same bytes of the tile PREFETCH_TILES on, by its rows (int8_prefetch): [0] for a tile
+// of one row, [1] for more. 0: not at all (the CPU's own prefetchers), 1: into L1, 2: into L2. The bytes
+// come whichever: int8gemm.prefetching times the three on the CPU at hand and sets the fastest of each.
+int64_t prefetch_into[2] = {1, 1};
+
 #if defined(__AVX2__)
 #ifndef PREFETCH_TILES
 #define PREFETCH_TILES 1
@@ -149,10 +154,16 @@ inline void tile(const Linear& L, int64_t r0, int64_t t) {
   const int64_t depth = L.depth(), steps = depth / DEPTH;
   const int8_t* w = L.packed + t * TILE * depth;
   const int8_t* ahead = w + PREFETCH_TILES * TILE * depth;  // the same bytes of a later tile
-  const bool fetch = ahead + TILE * depth <= L.packed + padded(L.out, TILE) * depth;
+  const int64_t into = prefetch_into[R > 1];
+  const bool fetch = into && ahead + TILE * depth <= L.packed + padded(L.out, TILE) * depth;
   const uint8_t* a = L.codes + r0 * depth;
   for (int64_t s = 0; s < steps; s++) {
-    if (fetch) _mm_prefetch((const char*)(ahead + s * STEP), _MM_HINT_T0);  // a step is one 64-byte line
+    if (fetch) {  // a step is one 64-byte line
+      if (into == 1)
+        _mm_prefetch((const char*)(ahead + s * STEP), _MM_HINT_T0);
+      else
+        _mm_prefetch((const char*)(ahead + s * STEP), _MM_HINT_T1);
+    }
     const Block b = load_block(w + s * STEP);
     auto step = [&](int r, Sums& sums) {
       int32_t four;  // the row's 4 codes of this step
@@ -288,6 +299,13 @@ extern "C" {
 // How later calls tile their rows: 0, tiles of TILE_ROWS; 1, short tiles (SHORT_ROWS, the last up to SHORT_MOST).
 // The same bits either way (exact integer sums).
 void int8_tiling(int64_t short_rows) { short_tiles = short_rows; }
+
+// Where later calls' tiles of one row and of more rows prefetch (prefetch_into): 0 nowhere, 1 L1, 2 L2. The same
+// bits either way.
+void int8_prefetch(int64_t one_row, int64_t more_rows) {
+  prefetch_into[0] = one_row;
+  prefetch_into[1] = more_rows;
+}
 
 // y (rows, out) = the row-exact int8 linear of x (rows, in; rows `x_stride` floats apart) and the
 // packed weights. inverse: 1 / the input step (float), as fbgemm quantizes with. Returns 0, or 1
