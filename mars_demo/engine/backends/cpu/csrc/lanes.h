@@ -18,6 +18,24 @@ static inline v8f load8(const float* p) {
 
 static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
 
+// a * b + c with one rounding where the CPU has FMA, else two: written out rather than left to the compiler,
+// whose choice to fuse a * b + c (under fp-contract=fast) can differ between a template's instantiations,
+// so that, say, scoring three heads together and scoring one alone would round differently.
+static inline v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+  return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+static inline float fma1(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 static inline float hsum8(v8f v) {
   // a fixed pairwise order, neighbours first: the one sums8 takes
   float a = (v[0] + v[1]) + (v[2] + v[3]);
@@ -46,6 +64,15 @@ static inline v8f sums8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, 
 #endif
 typedef float vv __attribute__((vector_size(VALUE_LANES * sizeof(float))));
 typedef int32_t vvi __attribute__((vector_size(VALUE_LANES * sizeof(int32_t))));
+
+// fma8 at the values' width
+static inline vv fma_lanes(vv a, vv b, vv c) {
+#if VALUE_LANES == 16
+  return (vv)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return fma8(a, b, c);
+#endif
+}
 
 static inline v8f splat(float a) { return v8f{a, a, a, a, a, a, a, a}; }
 

@@ -35,18 +35,6 @@ struct CallOf {
   float scale;
 };
 
-// The dot product of q and k over dim (a multiple of 8 when D8 > 0): 8-lane partial sums, then a fixed tree.
-template <int D8, typename KV>
-static inline float dot(const float* q, const KV* k, int64_t d) {
-  v8f acc = splat(0.0f);
-  const int64_t n8 = D8 > 0 ? D8 * 8 : d - d % 8;
-  for (int64_t t = 0; t < n8; t += 8) acc += load8(q + t) * load8(k + t);
-  float s = hsum8(acc);
-  if (D8 == 0)
-    for (int64_t t = n8; t < d; t++) s += q[t] * to_float(k[t]);
-  return s;
-}
-
 // While a block of eight keys is scored, the keys AHEAD visible keys on and the values of the eight are
 // asked for (prefetches: no bits change). A batch's rows each read their own keys and values, so at
 // 8 rows of a few hundred keys those are a quarter of the bytes a pass reads; read one short
@@ -88,7 +76,7 @@ static inline void score_block(const float* const* qs, const KV* const* kj, floa
     for (int u = 0; u < 8; u++) {
       const v8f k = load8(kj[u] + t);
 #pragma GCC unroll 8
-      for (int h = 0; h < NH; h++) acc[h][u] += qt[h] * k;
+      for (int h = 0; h < NH; h++) acc[h][u] = fma8(qt[h], k, acc[h][u]);
     }
   }
 #pragma GCC unroll 8
@@ -120,7 +108,7 @@ static inline void weigh_values_n(const float* p, int64_t stride, float* out, in
       for (int u = 0; u < N; u++) {
         const vv value = load_lanes(vj + VALUE_LANES * u);
         // the score in every lane (x - 0 is x, exactly)
-        for (int h = 0; h < NH; h++) acc[h][u] += (p[h * stride + at] - vv{}) * value;
+        for (int h = 0; h < NH; h++) acc[h][u] = fma_lanes(p[h * stride + at] - vv{}, value, acc[h][u]);
       }
     }
   for (int h = 0; h < NH; h++)
@@ -166,7 +154,7 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
   }
   // the visible keys' columns in order: blocks of eight keys are scored across the edges of the row's runs
   // (a batch row's keys are many runs: rejected drafts and a narrower row's holes are hidden columns), not
-  // each run's last few keys one at a time. A key's score is the same bits in a block or alone.
+  // each run's last few keys one at a time.
   int64_t seen = 0;
   for (int64_t g = 0; g < n_ranges; g++)
     for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++) cols[seen++] = j;
@@ -179,15 +167,17 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
     const KV* vbase = c->v + b * c->vb + kvh * c->vh;
     auto query = [&](int64_t h) { return c->q + b * c->qb + h * c->qh + i * c->qr; };
     auto output = [&](int64_t h) { return c->out + ((b * c->rows + i) * c->heads + h) * d; };
-    // scores, in the order of the visible keys; eight keys at a time for independent chains
+    // scores, in the order of the visible keys; eight keys at a time for independent chains, the last block's
+    // unused lanes given the last key again (the softmax overwrites them)
     int64_t m = 0;
-    for (; m + 8 <= seen; m += 8) {
+    for (; m < seen; m += 8) {
       const KV* kj[8];
       const KV* ahead[8];
       const KV* values[8];
       for (int u = 0; u < 8; u++) {
-        kj[u] = kbase + cols[m + u] * c->ks;
-        values[u] = vbase + cols[m + u] * c->vs;
+        const int64_t key = cols[m + u < seen ? m + u : seen - 1];
+        kj[u] = kbase + key * c->ks;
+        values[u] = vbase + key * c->vs;
         // the keys AHEAD visible keys on (past the last, the last's: a prefetch of a line already asked for)
         ahead[u] = kbase + cols[m + AHEAD + u < seen ? m + AHEAD + u : seen - 1] * c->ks;
       }
@@ -209,29 +199,27 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
         v8f a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         for (int64_t t = 0; t < d8; t += 8) {
           const v8f qt = load8(q + t);
-          a0 += qt * load8(kj[0] + t);
-          a1 += qt * load8(kj[1] + t);
-          a2 += qt * load8(kj[2] + t);
-          a3 += qt * load8(kj[3] + t);
-          a4 += qt * load8(kj[4] + t);
-          a5 += qt * load8(kj[5] + t);
-          a6 += qt * load8(kj[6] + t);
-          a7 += qt * load8(kj[7] + t);
+          a0 = fma8(qt, load8(kj[0] + t), a0);
+          a1 = fma8(qt, load8(kj[1] + t), a1);
+          a2 = fma8(qt, load8(kj[2] + t), a2);
+          a3 = fma8(qt, load8(kj[3] + t), a3);
+          a4 = fma8(qt, load8(kj[4] + t), a4);
+          a5 = fma8(qt, load8(kj[5] + t), a5);
+          a6 = fma8(qt, load8(kj[6] + t), a6);
+          a7 = fma8(qt, load8(kj[7] + t), a7);
         }
         v8f block = sums8(a0, a1, a2, a3, a4, a5, a6, a7);
         if (D8 == 0) {
           for (int u = 0; u < 8; u++) {
             float tail = block[u];
-            for (int64_t t = d8; t < d; t++) tail += q[t] * to_float(kj[u][t]);
+            for (int64_t t = d8; t < d; t++) tail = fma1(q[t], to_float(kj[u][t]), tail);
             block[u] = tail;
           }
         }
         store8(scores + (h - first) * stride + m, block * c->scale);
       }
     }
-    for (; m < seen; m++)
-      for (int64_t h = first; h < last; h++)
-        scores[(h - first) * stride + m] = dot<D8>(query(h), kbase + cols[m] * c->ks, d) * c->scale;
+    m = seen;
     if (m == 0) {  // nothing visible (a padding row): zeros
       for (int64_t h = first; h < last; h++) memset(output(h), 0, d * sizeof(float));
       first = last;
@@ -277,7 +265,7 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
         for (int64_t g = 0; g < n_ranges; g++)
           for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
             const KV* vj = vbase + j * c->vs;
-            for (int64_t t = 0; t < d; t++) out[t] += p[at] * to_float(vj[t]);
+            for (int64_t t = 0; t < d; t++) out[t] = fma1(p[at], to_float(vj[t]), out[t]);
           }
       }
     }
