@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mars_demo.engine.backends.cpu import native
+from mars_demo.engine.backends.cpu import int8gemm, native
 from mars_demo.engine.checkpoints.loading import load_model
 from mars_demo.engine.decoding.batch import stream_batch_ids
 from mars_demo.engine.decoding.chat import prompt_ids
@@ -30,9 +30,17 @@ from mars_demo.engine.decoding.config import DecodeConfig
 
 
 def build(tree: str, where: Path, like) -> ctypes._CFuncPtr:
-    """The ``decoder`` function of ``tree``'s sources, typed as the loaded one (``like``)."""
+    """The ``decoder`` function of ``tree``'s sources, typed as the loaded one (``like``), its linears tiled and
+    prefetching as this process's own (where the build has those settings)."""
     native.SOURCES = Path(tree).resolve() / "mars_demo/engine/backends/cpu/csrc"
-    function = ctypes.CDLL(str(native.build("decoder", native.compiler(), where))).decoder
+    library = ctypes.CDLL(str(native.build("decoder", native.compiler(), where)))
+    if hasattr(library, "int8_tiling") and int8gemm.tiling() is not None:
+        library.int8_tiling.argtypes = [ctypes.c_int64]
+        library.int8_tiling(int8gemm.TILINGS.index(int8gemm.tiling()))
+    if hasattr(library, "int8_prefetch") and int8gemm.prefetching() is not None:
+        library.int8_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        library.int8_prefetch(*map(int8gemm.PREFETCHES.index, (int8gemm.ONE_ROW_PREFETCH, int8gemm.prefetching())))
+    function = library.decoder
     function.argtypes, function.restype = like.argtypes, like.restype
     return function
 
