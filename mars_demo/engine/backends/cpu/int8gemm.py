@@ -105,9 +105,9 @@ def prefetching() -> str | None:
     ONE_ROW_PREFETCH. None: no such library.
 
     A decoding pass streams its weights from memory layer by layer, so they are timed so: synthetic layers of
-    STREAM_LAYER's shape, twice the last-level cache's bytes in all (``machine.last_level_cache``; ~2.5 ms a
-    round). One large layer is no stand-in: the CPU's own prefetchers keep up with one long stream and not with
-    many short ones. A tile of eight rows does eight dot products a line it reads, and an ask into L1 can
+    STREAM_LAYER's shape, twice the last-level cache's bytes in all (``machine.last_level_cache``; 15 sweeps of
+    ~2.5 ms). One large layer is no stand-in: the CPU's own prefetchers keep up with one long stream and not
+    with many short ones. A tile of eight rows does eight dot products a line it reads, and an ask into L1 can
     displace what it is reading (BENCHMARKS.md, "Many requests at once"). The same bits either way."""
     loaded = _holder()
     if loaded is None or not hasattr(loaded, "int8_prefetch"):

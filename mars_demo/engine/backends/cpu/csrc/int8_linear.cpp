@@ -70,7 +70,7 @@ inline void finish(const Linear& L, int64_t r, int64_t c, int32_t sum) {
 
 // Where a tile asks for the same bytes of the tile PREFETCH_TILES on, by its rows (int8_prefetch): [0] for a tile
 // of one row, [1] for more. 0: not at all (the CPU's own prefetchers), 1: into L1, 2: into L2. The bytes
-// come whichever: int8gemm.prefetching times the three on the CPU at hand and sets the fastest of each.
+// come whichever: int8gemm.prefetching times the three for tiles of several rows on the CPU at hand.
 int64_t prefetch_into[2] = {1, 1};
 
 #if defined(__AVX2__)

@@ -4,8 +4,8 @@
 // and values it may see, never on the other rows of the call, their number or the keys it may not
 // see. A row computed in a one-token pass and the same row in a wider pass (MARS, exact mode) or a
 // batch therefore agree bit for bit. Within a row the order of every sum is fixed by the row's own
-// visible keys: scores are dot products over the head dimension (8-lane partial sums, then a fixed
-// tree; eight keys' trees at once), the softmax sums in 8 lanes by position, and the values
+// visible keys: scores are dot products over the head dimension (8-lane partial sums of fused
+// multiply-adds, then a fixed tree; eight keys' trees at once), the softmax sums in 8 lanes by position, and the values
 // accumulate key by key.
 //
 // Built at run time by native.py (g++ -O3 -march=native -fopenmp, no fast-math) and called through
