@@ -51,6 +51,7 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     for key in greedy:
         assert by[key]["agreement"] == 1.0 and by[key]["delta_nll_self"] == pytest.approx(0.0, abs=1e-4)
     assert by[("mars", 0.1, 1)]["tokens_per_forward"] > 1.0
+    assert report["drifted"] == []  # (the tiny model runs on fp32 here: nothing is held to AR's text bit for bit)
     assert {"cpu", "cpu_cores", "torch_threads", "torch", "transformers", "device", "dtype"} <= set(report["machine"])
     assert report["command"].startswith("python -m mars_demo bench ") and "--taus 1,0.1" in report["command"]
     assert set(report["profile"]["mars"]["ms_per_pass"]) >= {"forward_body", "lm_head", "acceptance_and_host"}
@@ -106,6 +107,25 @@ def test_a_sampled_bench_reports_speed_and_nll_over_seeds(tmp_path, prompts_file
     assert "--temperature 0.7 --top-p 0.9 --top-k 0 --seeds 0,1" in report["command"]
     printed = capsys.readouterr().out
     assert "mars_exact" in printed and "NLL (mean)" in printed
+
+
+def test_runs_that_must_give_ars_text_and_do_not_are_named_on_a_row_exact_path():
+    runs = [
+        {"method": "ar", "batch_size": 1, "tau": 1.0, "agreement": 1.0},
+        {"method": "ar_batch_ours", "batch_size": 2, "tau": 1.0, "agreement": 0.88},
+        {"method": "exact_batch", "batch_size": 4, "tau": 1.0, "agreement": 1.0},
+        {"method": "mars_exact", "batch_size": 1, "tau": 1.0, "agreement": 0.813},
+        {"method": "mars_batch_token", "batch_size": 2, "tau": 1.0, "agreement": 0.99},
+        {"method": "mars_batch_token", "batch_size": 2, "tau": 0.9, "agreement": 0.6},  # MARS below 1: its own text
+        {"method": "ar_batch", "batch_size": 2, "tau": 1.0, "agreement": 0.9},  # transformers' forward: not ours
+    ]
+    off = benchmark.drifted(runs, True)
+    assert [(r["method"], r["batch_size"]) for r in off] == [
+        ("ar_batch_ours", 2), ("mars_exact", 1), ("mars_batch_token", 2)
+    ] and off[2]["tau"] == 1.0
+    assert benchmark.drifted(runs, False) == []  # fp32 or transformers' forward: rounding may part them
+    message = benchmark.drift_message(off, "int8dyn")
+    assert "int8dyn" in message and "mars_exact at 1 row(s) (agreement 0.813)" in message
 
 
 def test_plan_always_has_the_reference_and_batch_methods_above_one():

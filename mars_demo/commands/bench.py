@@ -22,7 +22,7 @@ from ..engine.backends.placement import choose_host_threads
 from ..engine.checkpoints.loading import default_precision, load_model
 from ..engine.decoding.config import DecodeConfig
 from ..engine.decoding.sampling import Sampling
-from ..research.benchmark import KNOWN, METHODS, BenchConfig, run_benchmark
+from ..research.benchmark import KNOWN, METHODS, BenchConfig, drift_message, run_benchmark
 from ..research.distillation import read_prompts
 from ..research.sampled_bench import plan_sampled, run_sampled_benchmark
 from ..research.tables import text_table
@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
     report["machine"]["compiled_decoding"] = bool(args.compile)
     html_path = write_report(report, args.out)
     print(format_table(report["runs"]))
+    if report["drifted"]:
+        print(f"\nwarning: {drift_message(report['drifted'], lm.compute.path)}")
     profile = report["profile"]["mars"]["ms_per_pass"]
     print(f"\nMARS pass at batch 1, tau {report['profile']['tau']:g}: "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in profile.items()))

@@ -63,6 +63,9 @@ METHODS = SINGLE + BATCHED
 KNOWN = METHODS + llama_cpp.METHODS  # llama.cpp's run only when named (an optional install)
 AR_METHODS = ("hf_generate", "ar", "ar_batch", "ar_batch_ours")
 TAU_METHODS = ("mars", "mars_batch", "mars_batch_token")
+# Greedy methods that must return our AR's text token for token wherever every row is computed alone (the CPU
+# engine's paths but fp32: docs/METHOD.md, "CPU compute paths"); elsewhere rounding may part them
+LOSSLESS = ("ar_batch_ours", "exact_batch", "mars_exact")
 SCHEME = {"ar_batch_ours": "token", "mars_batch": "block", "mars_batch_token": "token", "exact_batch": "token"}
 
 
@@ -277,6 +280,25 @@ def machine(lm: LoadedModel) -> dict:
     return desc
 
 
+def row_exact(lm: LoadedModel) -> bool:
+    """Whether each row of a pass is computed alone here: the CPU engine on a path other than fp32."""
+    return isinstance(lm.backend, CpuBackend) and lm.compute is not None and lm.compute.path != "fp32"
+
+
+def drifted(runs: list[dict], exact: bool) -> list[dict]:
+    """Where each row is computed alone (``exact``), the runs that must give our AR's text (LOSSLESS, and MARS at
+    tau 1.0) and do not: (method, batch size, tau, agreement) of each."""
+    must = [r for r in runs if exact and (r["method"] in LOSSLESS or (r["method"] in TAU_METHODS and r["tau"] >= 1.0))]
+    return [{k: r[k] for k in ("method", "batch_size", "tau", "agreement")} for r in must if r["agreement"] < 1]
+
+
+def drift_message(off: list[dict], path: str) -> str:
+    """One warning line naming the runs ``drifted`` found."""
+    names = ", ".join(f"{r['method']} at {r['batch_size']} row(s) (agreement {r['agreement']:.3f})" for r in off)
+    return (f"on the {path} path every row is computed alone, so these must give our AR's text and do not: {names}. "
+            "A kernel or batching bug: the speed figures of these runs are not of AR's text")
+
+
 def summarise(job: Job, outcome: Outcome, reference: list[list[int]], scorer: Scorer, ref_nll: float) -> dict:
     tokens = sum(map(len, outcome.outputs))
     nll = nll_per_token(scorer, outcome.outputs)
@@ -378,10 +400,14 @@ def run_benchmark(
     profile = profile_passes(
         lm, ids, config.profile_tau, block, config.max_new_tokens, max_fed=config.max_fed, progress=progress
     )
+    off = drifted(runs, row_exact(lm))
+    if off:
+        logger.warning("%s", drift_message(off, lm.compute.path))
     return {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": lm.name,
         "machine": machine(lm),
+        "drifted": off,
         "settings": {
             **asdict(config), "block_size": block, "prompts": len(prompts),
             "max_fed_resolved": resolve_max_fed(config.max_fed, lm.compute),
