@@ -7,6 +7,7 @@ import json
 import pytest
 
 from mars_demo.cli import main
+from mars_demo.commands import serve_sim
 from mars_demo.engine.backends.cpu import paths
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.surface import Surface
@@ -201,6 +202,14 @@ def test_cost_models_follow_the_surface():
     assert gpu(2, 2, "prefill", 9.9) == cpu(2, 2, "prefill", 9.9) == pytest.approx(0.018)
     flat = clock_surface(gpu, "width-free")  # what the width controller prices passes on under that clock
     assert flat.simulated and flat.ms(2, 4) == flat.ms(2, 1) == pytest.approx(14.0)
+
+
+def test_exact_serving_that_parts_from_fixed_ones_text_is_named_on_a_row_exact_path():
+    summaries = [{"policy": "fixed:1.0", "agreement": 1.0}, {"policy": "adaptive", "agreement": 0.973},
+                 {"policy": "fixed:0.9", "agreement": 1.0}, {"policy": "latency:10", "agreement": None}]
+    assert serve_sim.lossless_drift(summaries, "exact", True) == ["adaptive"]
+    assert serve_sim.lossless_drift(summaries, "exact", False) == []  # fp32 or transformers' forward: rounding
+    assert serve_sim.lossless_drift(summaries, "mars", True) == []  # MARS below tau 1.0 has its own text
 
 
 def test_html_escapes_what_it_shows():

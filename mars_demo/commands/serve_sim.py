@@ -22,6 +22,7 @@ from ..engine.decoding.config import VERIFYING_MODES
 from ..engine.decoding.surface import read_surface, surface_for
 from ..engine.serving.policies import DEFAULT_LADDER, POLICY_HELP, split_policies
 from ..engine.serving.replay import ARRIVALS, LIMITS, SimConfig
+from ..research.benchmark import row_exact
 from ..research.distillation import read_prompts
 from ..research.simulation import CLOCKS, clock_surface, model_cost, simulate
 
@@ -102,6 +103,14 @@ def given_surface(args: argparse.Namespace) -> tuple | None:
         raise UserError(str(err)) from None
 
 
+def lossless_drift(summaries: list[dict], mode: str, exact: bool) -> list[str]:
+    """Exact mode gives greedy AR's text whatever the policy and the batch a request shared: where each row is
+    computed alone (``exact``: benchmark.row_exact), the policies whose requests' texts differ from fixed:1.0's."""
+    if mode != "exact" or not exact:
+        return []
+    return [s["policy"] for s in summaries if s.get("agreement") is not None and s["agreement"] < 1.0]
+
+
 def run(args: argparse.Namespace) -> int:
     from ..research.benchmark import machine
     from ..research.simulation_report import format_totals, pio, write_report
@@ -149,7 +158,11 @@ def run(args: argparse.Namespace) -> int:
 
         figures = serving_figures({p["summary"]["policy"]: p["series"] for p in report["policies"]})
         figures += [surface_heatmap(surface)] if surface is not None else []
+    report["drifted"] = off = lossless_drift([p["summary"] for p in report["policies"]], config.mode, row_exact(lm))
     json_path, html_path = write_report(report, args.out, figures)
     print(format_totals([p["summary"] for p in report["policies"]]))
+    if off:
+        print(f"\nwarning: exact mode on the {lm.compute.path} path gives greedy AR's text under any policy, and the "
+              f"requests of {', '.join(off)} differ from fixed:1.0's: a kernel or batching bug")
     print(f"\nwrote {json_path}" + (f" and {html_path}" if html_path else " (no HTML page: plotly is not installed)"))
     return 0
