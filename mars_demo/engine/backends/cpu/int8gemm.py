@@ -76,17 +76,23 @@ def tiling() -> str | None:
     layer = Weights(torch.randint(-64, 64, (1536, 576), dtype=torch.int8, generator=generator),
                     torch.ones(1536), None)
     inputs = [torch.randn(rows, 576, generator=generator) for rows in (16, 32)]
-    best = [float("inf")] * len(TILINGS)
-    for round_ in range(TILING_ROUNDS):  # in turns, the order reversed every other round; the fastest of each
-        for choice in (0, 1) if round_ % 2 else (1, 0):
+    chosen = _fastest(len(TILINGS), TILING_ROUNDS, choose, lambda: [layer.linear(linear, x) for x in inputs])
+    return TILINGS[chosen]
+
+
+def _fastest(choices: int, rounds: int, choose, work) -> int:
+    """The choice (0 .. choices - 1) under which ``work()`` ran fastest, each timed ``rounds`` times in turns (the
+    order rotating every round; the fastest time of each), set by ``choose(choice)``; it is left set."""
+    best = [float("inf")] * choices
+    for round_ in range(rounds):
+        for choice in [(round_ + k) % choices for k in range(choices)]:
             choose(choice)
             started = time.perf_counter()
-            for x in inputs:
-                layer.linear(linear, x)
+            work()
             best[choice] = min(best[choice], time.perf_counter() - started)
-    chosen = min(range(len(TILINGS)), key=best.__getitem__)
+    chosen = min(range(choices), key=best.__getitem__)
     choose(chosen)
-    return TILINGS[chosen]
+    return chosen
 
 
 PREFETCHES = ("none", "L1", "L2")  # csrc/int8_linear.cpp's int8_prefetch: 0, 1, 2
@@ -118,16 +124,9 @@ def prefetching() -> str | None:
     size = 2 * (last_level_cache() or STREAM_LEAST // 2)
     layers = [Weights.filled(out, inputs) for _ in range(-(-size // (out * inputs)))]
     x = torch.randn(PREFETCH_ROWS, inputs, generator=torch.Generator().manual_seed(0))
-    one, best = PREFETCHES.index(ONE_ROW_PREFETCH), [float("inf")] * len(PREFETCHES)
-    for round_ in range(PREFETCH_ROUNDS):  # in turns, the order rotating every round; the fastest of each
-        for choice in [(round_ + k) % len(PREFETCHES) for k in range(len(PREFETCHES))]:
-            choose(one, choice)
-            started = time.perf_counter()
-            for layer in layers:
-                layer.linear(linear, x)
-            best[choice] = min(best[choice], time.perf_counter() - started)
-    chosen = min(range(len(PREFETCHES)), key=best.__getitem__)
-    choose(one, chosen)
+    one = PREFETCHES.index(ONE_ROW_PREFETCH)
+    chosen = _fastest(len(PREFETCHES), PREFETCH_ROUNDS, lambda choice: choose(one, choice),
+                      lambda: [layer.linear(linear, x) for layer in layers])
     return PREFETCHES[chosen]
 
 
