@@ -319,12 +319,12 @@ class WidthController:
         """The width of the next pass: 1 at tau = 1.0, else the best rate; in a prefill (``fed``: the longest
         prompt) the masks that are worth more than they add (``prefill``; ``joins``: running rows these join).
 
-        Where width 1 won and no width came near it, the choice stands for the next passes over the same rows at
+        Where width 1 won and no width promised GAIN, the choice stands for the next passes over the same rows at
         the same tau until a row has shown something, a row has idled RECHECK passes (its share has relaxed
         since), the wide / one-token price ratio (``passed``) has moved by a tenth or a price has come due a look
-        (``settle``): reading every row's
-        acceptance every pass is host work that a plain AR pass otherwise does not pay (~60 us of a 5 ms pass at
-        8 rows on a 2-core CPU).
+        (``settle``, which takes a look where it comes near): reading every row's acceptance every pass is host
+        work that a plain AR pass otherwise does not pay (~60 us of a 7 ms pass at 8 rows on a 2-core CPU), and
+        there wide passes often price within GAIN of one-token ones, pass after pass.
         """
         if tau >= 1.0 or not rows:
             self.last = (1, 1.0)
@@ -338,7 +338,7 @@ class WidthController:
             gain = rates[wide] / rates[1]
             best = wide if wide > 1 and self.settle(len(rows), gain) else 1
             self.last = (best, rates[best] / rates[1])
-            self.settled = None if best > 1 or gain >= 1.0 else self._standing(rows, tau)
+            self.settled = None if best > 1 or gain >= GAIN else self._standing(rows, tau)
         return self.last[0]
 
     def _standing(self, rows: Sequence[Hits], tau: float) -> tuple:

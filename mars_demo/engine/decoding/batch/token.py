@@ -292,9 +292,11 @@ class TokenBatch:
         first = 0.0 if any(self.drafts[r] for r in self.active) else depths.cost(1 + best.depth) / depths.cost(1) - 1
         chosen = best if self.controller.settle(rows, gain, first) else best._replace(depth=0)
         self.controller.last = (1 + chosen.depth, gain if chosen.depth else 1.0)
-        # a plain pass that no layout came near stands for the next RECHECK passes over these rows at this tau:
-        # pricing every layout is ~50 us of host work a pass, 1% of an 8-row pass on a 2-core CPU
-        self.plain = (rows, tau, WidthController.RECHECK) if not chosen.depth and gain < NEAR else None
+        # a plain pass stands for the next RECHECK passes over these rows at this tau where no layout promised GAIN
+        # and no look is due (or none came near): pricing every layout is ~50 us of host work a pass, 1% of an
+        # 8-row pass on a 2-core CPU
+        looking = self.controller.prices.due(rows) is not None and gain >= NEAR
+        self.plain = (rows, tau, WidthController.RECHECK) if not chosen.depth and gain < GAIN and not looking else None
         return chosen
 
     def _window_pass(self, tau: float, origin: str | None = None) -> tuple[list[RowStep], int]:
