@@ -52,6 +52,31 @@ def test_prefills_from_a_stored_prefix_decode_bit_for_bit(on_path):
     assert got == want
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=["ar", "mars", "exact"])
+def test_a_batch_starts_all_its_rows_from_the_opening_in_one_pass(on_path, monkeypatch, config):
+    """Where holes cost nothing (int8dyn's native layers), a batch's first pass copies the opening once for all its
+    rows (rows.PaddedCache._feed_from_prefix) and feeds only the rest of each row, one pass for all; the rows'
+    text is the one without the store. Elsewhere the rows are fed apart, each from the opening."""
+    backend = on_path.backend
+    prompts = [OPENING + tail for tail in TAILS]
+    backend.prefixes = None
+    want = collect_batch(stream_batch_ids(on_path, prompts, config, scheme="token")).token_ids
+    backend.prefixes = store = PrefixStore()
+    for tail in TAILS[:2]:  # two prompts show the store their opening
+        collect(stream_ids(on_path, OPENING + tail, CONFIGS[0]))
+    filled, fill = [], type(backend).fill_prefix
+
+    def counted(self, rows, cache, keep):
+        filled.append(fill(self, rows, cache, keep))
+        return filled[-1]
+
+    monkeypatch.setattr(type(backend), "fill_prefix", counted)
+    reused = store.reused_tokens
+    assert collect_batch(stream_batch_ids(on_path, prompts, config, scheme="token")).token_ids == want
+    assert filled == ([len(OPENING)] if backend.native else [0])
+    assert store.reused_tokens - reused == len(OPENING) * len(TAILS)  # once a row, one way or the other
+
+
 def _served(lm) -> list[list[int]]:
     """Requests with one opening arriving while others decode: each joins a running batch alone."""
     from test_serving import make_loop

@@ -105,6 +105,12 @@ class Backend(ABC):
         ``steady``: a decode pass after the prefill (a compiled backend runs those compiled).
         """
 
+    def fill_prefix(self, rows: list[torch.Tensor], cache: KVCache, keep: int) -> int:
+        """Put the keys and values of a stored prefix that all of ``rows`` (1-D token ids, positions from 0) start
+        with into the empty ``cache`` (one cache row each), leaving at least ``keep`` tokens of each row to feed;
+        its length (0: nothing stored, or no store: the default)."""
+        return 0
+
     def costs_ms(self) -> dict[int, float] | None:
         """The measured pass-cost curve (ms by tokens fed), None where nothing was measured."""
         return getattr(self.compute, "costs_ms", None)

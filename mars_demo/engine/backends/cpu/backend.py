@@ -62,10 +62,17 @@ class CpuBackend(Backend):
     def forward(self, ids, cache, *, positions=None, mask=None, keep=1, steady=False):
         if not self._plain_prefill(ids, cache, positions, mask, keep):
             return self._pass(ids, cache, positions, mask, keep)
-        held = self.prefixes.fill(ids, cache, keep)
+        held = self.prefixes.fill([ids[0]], cache, keep)
         logits = self._pass(ids[:, held:], cache, None if positions is None else positions[:, held:], None, keep)
         self.prefixes.learn(ids, cache)
         return logits
+
+    def fill_prefix(self, rows: list[torch.Tensor], cache: CpuCache, keep: int) -> int:
+        """base.Backend.fill_prefix: from the prefix store, where the native layers leave padding out (on other
+        paths a padded pass costs its padding: the rows are better fed apart, each from its prefix)."""
+        if self.prefixes is None or not self.native:
+            return 0
+        return self.prefixes.fill(rows, cache, keep)
 
     def _plain_prefill(self, ids, cache, positions, mask, keep: int) -> bool:
         """A pass that may start from a stored prefix: one row on an empty cache, causal (no mask, or a padding

@@ -7,7 +7,9 @@ cache and feeds only the rest. After such a prefill the prefix it shares with th
 ``MIN_SHARED`` tokens) is stored, so a prefix is kept once two prompts have shown it; and only where both
 prompts go on for ``MIN_SHARED`` tokens past it: two methods decoding one prompt (the app's race, a
 ``bench`` turn; a MARS prefill is its prompt with masks after it) never store that prompt for each other,
-so the one that runs second gets no cheaper prefill than the first.
+so the one that runs second gets no cheaper prefill than the first. A batch's first pass starts all its rows
+from a stored prefix they all share (``CpuBackend.fill_prefix``, decoding/batch/rows.py): the prefix's
+columns once, then each row's padding and the rest of its prompt, in one pass.
 
 Only on the engine's row-exact paths (backend.py: a row's keys and values do not depend on the rows fed
 beside it): there the shortened prefill gives the cache and logits the whole one gives, bit for bit, so
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -45,24 +48,25 @@ class PrefixStore:
         self.reused_tokens = 0  # tokens not fed thanks to a stored prefix, over this store's life
         self.lock = threading.Lock()  # the app's lanes share a backend
 
-    def fill(self, ids: torch.Tensor, cache: CpuCache, keep: int) -> int:
-        """Copy the longest stored prefix ``ids`` (1, n) starts with into the empty ``cache``, leaving at least
-        ``keep`` (>= 1) tokens to feed; how many tokens it holds now (0: none stored, the prefill feeds them all)."""
-        row = ids[0]
+    def fill(self, rows: Sequence[torch.Tensor], cache: CpuCache, keep: int) -> int:
+        """Copy the longest stored prefix that every one of ``rows`` (1-D token ids: a prefill's rows, without
+        their padding) starts with into the empty ``cache``, leaving at least ``keep`` (>= 1) tokens of each to
+        feed; how many tokens each row holds now (0: none stored, the prefill feeds them all)."""
         with self.lock:
             best, use = None, 0
             for key, entry in self.entries.items():
-                shared = min(shared_length(entry[0], row), row.numel() - keep)
+                shared = min(min(shared_length(entry[0], row), row.numel() - keep) for row in rows)
                 if shared > use:
                     best, use = key, shared
             if use < MIN_SHARED:
                 return 0
             self.entries.move_to_end(best)
             layers = self.entries[best][1]
-            self.reused_tokens += use
-        cache.open(layers[0][0], use)
+            self.reused_tokens += use * len(rows)
+        n = len(rows)
+        cache.open(layers[0][0].expand(n, -1, -1, -1), use)
         for layer, (keys, values) in enumerate(layers):
-            cache.write(layer, keys[:, :, :use], values[:, :, :use])
+            cache.write(layer, keys[:, :, :use].expand(n, -1, -1, -1), values[:, :, :use].expand(n, -1, -1, -1))
         return use
 
     def learn(self, ids: torch.Tensor, cache: CpuCache) -> None:

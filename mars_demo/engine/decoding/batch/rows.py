@@ -80,9 +80,36 @@ class PaddedCache:
     def forward_padded(self, ids: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor, keep: int) -> torch.Tensor:
         """Feed ids (rows, width) causally, ``attn`` (rows, width) 1 where a column is fed and 0 for a hole; logits
         (rows, keep, vocab) of the last ``keep`` columns."""
+        if self.length == 0 and attn.shape[0] > 1:
+            logits = self._feed_from_prefix(ids, positions, attn, keep)
+            if logits is not None:
+                return logits
         if self._apart(attn, keep):
             return self._feed_apart(ids, positions, attn, None, keep)
         self.attn = torch.cat([self.attn, attn], dim=1)
+        return self.backend.forward(ids, self.cache, positions=positions, mask=self.attn, keep=keep)
+
+    def _feed_from_prefix(self, ids, positions, attn: torch.Tensor, keep: int) -> torch.Tensor | None:
+        """The first pass of several rows from a stored prefix they all start with (``Backend.fill_prefix``), or
+        None where there is none: the prefix's columns first, then each row's holes, then the rest of its row.
+
+        Each row sees its prefix and its own tokens at their positions, as alone, so on a row-exact backend its
+        logits and cache are the ones alone, bit for bit; the prefix is not fed again for every row. Only rows
+        fed from position 0 after their holes qualify (a prefill).
+        """
+        holes = (attn == 0).long().argmin(dim=1).tolist()  # each row's leading holes
+        width = ids.shape[1]
+        for r, h in enumerate(holes):
+            n = width - h
+            if not bool(attn[r, h:].all()) or not torch.equal(positions[r, h:], torch.arange(n, device=ids.device)):
+                return None
+        held = self.backend.fill_prefix([ids[r, h:] for r, h in enumerate(holes)], self.cache, keep)
+        if not held:
+            return None
+        columns = torch.arange(width, device=ids.device)
+        rest = [torch.cat([columns[:h], columns[h + held :]]) for h in holes]  # the columns fed
+        ids, positions, attn = (torch.stack([t[r, c] for r, c in enumerate(rest)]) for t in (ids, positions, attn))
+        self.attn = torch.cat([attn.new_ones(attn.shape[0], held), attn], dim=1)
         return self.backend.forward(ids, self.cache, positions=positions, mask=self.attn, keep=keep)
 
     def forward_block(self, ids: torch.Tensor, positions: torch.Tensor, block: torch.Tensor, keep: int) -> torch.Tensor:
