@@ -323,8 +323,8 @@ class WidthController:
         the same tau until a row has shown something, a row has idled RECHECK passes (its share has relaxed
         since), the wide / one-token price ratio (``passed``) has moved by a tenth or a price has come due a look
         (``settle``, which takes a look where it comes near): reading every row's acceptance every pass is host
-        work that a plain AR pass otherwise does not pay (~60 us of a 7 ms pass at 8 rows on a 2-core CPU), and
-        there wide passes often price within GAIN of one-token ones, pass after pass.
+        work that a plain AR pass otherwise does not pay, and at 8 rows on a small CPU wide passes often price
+        within GAIN of one-token ones, pass after pass.
         """
         if tau >= 1.0 or not rows:
             self.last = (1, 1.0)

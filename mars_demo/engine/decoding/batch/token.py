@@ -293,8 +293,7 @@ class TokenBatch:
         chosen = best if self.controller.settle(rows, gain, first) else best._replace(depth=0)
         self.controller.last = (1 + chosen.depth, gain if chosen.depth else 1.0)
         # a plain pass stands for the next RECHECK passes over these rows at this tau where no layout promised GAIN
-        # and no look is due (or none came near): pricing every layout is ~50 us of host work a pass, 1% of an
-        # 8-row pass on a 2-core CPU
+        # and no look is due (or none came near): pricing every layout is host work that a plain pass does not pay
         looking = self.controller.prices.due(rows) is not None and gain >= NEAR
         self.plain = (rows, tau, WidthController.RECHECK) if not chosen.depth and gain < GAIN and not looking else None
         return chosen
