@@ -67,7 +67,8 @@ class Visible:
 
     ranges: (N, 2) int64; offsets: (batch * rows + 1,) int64, row r owning ranges[offsets[r]:offsets[r + 1]].
     live: the rows (b * rows + i, ascending) that may see their own column, i.e. are fed a token, as int64;
-    None when every row is. The others are holes: no row sees them, and what they compute is not read.
+    None when every row is. The others are holes: no row sees them, what they compute is not read, and they see
+    no keys (no attention work for them).
     """
 
     def __init__(
@@ -89,7 +90,9 @@ class Visible:
 
     def _set(self, row: np.ndarray, start: np.ndarray, end: np.ndarray, rows: int, own: np.ndarray) -> None:
         """ranges, offsets, work and live from the visible runs (row, [start, end)) in row order and from whether each
-        of the ``rows`` rows sees its own column (``own``)."""
+        of the ``rows`` rows sees its own column (``own``); a row that does not (a hole) is given none."""
+        fed = own[row]
+        row, start, end = row[fed], start[fed], end[fed]
         self.ranges = torch.from_numpy(np.stack([start, end], axis=1).astype(np.int64))
         offsets = np.zeros(rows + 1, dtype=np.int64)
         np.cumsum(np.bincount(row, minlength=rows), out=offsets[1:])

@@ -401,7 +401,8 @@ static inline void append_runs(const T* row, int64_t end, int64_t* ranges, int64
 // The visible ranges of a causal pass of q_len rows per sequence under a 2-D padding mask (rowattn.Visible.padded,
 // whose numpy steps it replaces: a batch's every pass builds them, and a dozen array ops after a pass that streamed
 // the weights through the caches cost more than the pass's attention steering needs). pad: (rows, keys), 1 where
-// a key is attended, 0 for a hole; row i of a sequence's pass sees its attended keys up to keys - q_len + i.
+// a key is attended, 0 for a hole; row i of a sequence's pass sees its attended keys up to keys - q_len + i, and a
+// row that is itself a hole sees none (nothing reads its output: its attention would be work for nothing).
 // Writes ranges ([start, end) pairs, in row order), offsets (rows * q_len + 1), live (the pass rows whose own
 // column is attended, ascending) and counts (live rows, visible (row, key) pairs); returns the number of ranges.
 // ranges must have room for rows * q_len * ((keys + 1) / 2) pairs (rowattn.py keeps that under 2^31).
@@ -412,9 +413,11 @@ extern "C" int padding_ranges(const int64_t* pad, int64_t rows, int64_t keys, in
   for (int64_t b = 0; b < rows; b++)
     for (int64_t i = 0; i < q_len; i++) {
       const int64_t cut = keys - q_len + i + 1;  // this row's own column is cut - 1
-      append_runs(pad + b * keys, cut, ranges, n, work);
+      if (pad[b * keys + cut - 1]) {
+        append_runs(pad + b * keys, cut, ranges, n, work);
+        live[n_live++] = b * q_len + i;
+      }
       offsets[b * q_len + i + 1] = n;
-      if (pad[b * keys + cut - 1]) live[n_live++] = b * q_len + i;
     }
   counts[0] = n_live;
   counts[1] = work;
@@ -428,9 +431,11 @@ extern "C" int mask_ranges(const uint8_t* allowed, int64_t rows, int64_t keys, i
   int64_t n = 0, n_live = 0, work = 0;
   offsets[0] = 0;
   for (int64_t r = 0; r < rows * q_len; r++) {
-    append_runs(allowed + r * keys, keys, ranges, n, work);
+    if (allowed[r * keys + keys - q_len + r % q_len]) {  // a hole sees none (padding_ranges)
+      append_runs(allowed + r * keys, keys, ranges, n, work);
+      live[n_live++] = r;
+    }
     offsets[r + 1] = n;
-    if (allowed[r * keys + keys - q_len + r % q_len]) live[n_live++] = r;
   }
   counts[0] = n_live;
   counts[1] = work;
