@@ -186,6 +186,8 @@ def test_a_padding_mask_gives_the_ranges_of_transformers_4d_mask(q_len, holes):
     assert (got.live is None) == (want.live is None) == (not holes)
     if holes:
         assert torch.equal(got.live, want.live)
+        fed = set(got.live.tolist())  # a hole row sees no keys: nothing reads its output
+        assert [r for r in range(5 * q_len) if got.offsets[r + 1] > got.offsets[r]] == sorted(fed)
 
 
 @needs_kernel
