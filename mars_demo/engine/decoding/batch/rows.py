@@ -97,16 +97,16 @@ class PaddedCache:
         logits and cache are the ones alone, bit for bit; the prefix is not fed again for every row. Only rows
         fed from position 0 after their holes qualify (a prefill).
         """
-        holes = (attn == 0).long().argmin(dim=1).tolist()  # each row's leading holes
         width = ids.shape[1]
-        for r, h in enumerate(holes):
-            n = width - h
-            if not bool(attn[r, h:].all()) or not torch.equal(positions[r, h:], torch.arange(n, device=ids.device)):
-                return None
+        columns = torch.arange(width, device=ids.device)
+        lead = (attn == 0).long().argmin(dim=1, keepdim=True)  # each row's leading holes
+        fed = columns >= lead
+        if not torch.equal(attn.bool(), fed) or not bool((positions == columns - lead)[fed].all()):
+            return None
+        holes = lead.squeeze(1).tolist()
         held = self.backend.fill_prefix([ids[r, h:] for r, h in enumerate(holes)], self.cache, keep)
         if not held:
             return None
-        columns = torch.arange(width, device=ids.device)
         rest = [torch.cat([columns[:h], columns[h + held :]]) for h in holes]  # the columns fed
         ids, positions, attn = (torch.stack([t[r, c] for r, c in enumerate(rest)]) for t in (ids, positions, attn))
         self.attn = torch.cat([attn.new_ones(attn.shape[0], held), attn], dim=1)
