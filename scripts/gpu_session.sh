@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU recipe's second call (CONTRIBUTING.md, "On a GPU"): train from the base, then measure.
+# The GPU recipe's last call (CONTRIBUTING.md, "On a GPU"): train from the base, then measure.
 #
 #   scripts/gpu_session.sh SECONDS
 #
@@ -36,13 +36,15 @@ if [ "${QUICK:-0}" = 1 ]; then
     train_size=(--max-rows 8 --max-steps 2 --batch-size 2 --val-rows 2 --save-every 1)
     bench_size=(--limit 1 --max-new-tokens 8 --batch-sizes 1,2)
     sim_size=(--requests 3 --max-new-tokens 8)
-    turns_size=(--limit 2 --turns 2 --max-new-tokens 8 --precision fp32)
+    turns_size=(--turns 2 --max-new-tokens 8 --precision fp32); turns_limit=2
+    profile_size=(--batch 2 --max-new-tokens 8 --warmup 2 --precision fp32)
     device=(--device cpu)
 else
     train_size=(--epochs "${EPOCHS:-3}" --batch-size "${BATCH:-16}" --lr "${LR:-6e-4}" --save-every 100 --val-every 400)
     bench_size=(--limit 4 --max-new-tokens 64 --batch-sizes 1,2,4,8)  # an eager pass takes ~20 ms on an H200
     sim_size=(--requests 60 --max-new-tokens 64)
-    turns_size=(--limit 4 --turns 6 --max-new-tokens 64 --precision auto)
+    turns_size=(--turns 3 --max-new-tokens 64 --precision auto); turns_limit=4  # a turn at 8 rows: ~15 s on an H200
+    profile_size=(--batch 8 --max-new-tokens 64 --warmup 40)
     device=()
 fi
 model=$runs/gpu
@@ -50,18 +52,21 @@ model=$runs/gpu
 [ "${SKIP_TRAIN:-0}" = 1 ] || step train 60 $py -m mars_demo train --base smollm2-135m --data assets/data/distill.jsonl --out "$model" \
     --val-data assets/data/heldout_val64.jsonl --ar-weight 2.0 "${train_size[@]}" "${device[@]}"
 [ -f "$model/adapter_model.safetensors" ] || model=smollm2-135m-mars  # no adapter: measure the bundled one
-# 2. serving on the measured clock (the GPU's own cost surface prices each pass's width)
-step "serve-sim measured" 30 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
+# 2. where a batched pass's time goes (session 33, H200: batched MARS and exact ran at half batched AR at 8 rows
+# though the surface was flat); then the methods in turns in one process, the rows that matter most first
+step profile 35 env PYTHONPATH=".:$PYTHONPATH" $py scripts/gpu_profile.py --model "$model" "${profile_size[@]}" \
+    --out "$OUT/small/profile"
+for rows in 8 4; do  # at least turns_limit prompts, and a full batch of them
+    step "turns at $rows rows" 40 env PYTHONPATH=".:$PYTHONPATH" $py scripts/batch_turns.py --model "$model" --prompts assets/data/heldout_varied32.json \
+        --batch $rows --limit $(( rows > turns_limit ? rows : turns_limit )) --methods ar,exact,mars:0.9,mars:0.7 "${turns_size[@]}"
+done
+# 3. serving on the measured clock (the GPU's own cost surface prices each pass's width)
+step "serve-sim measured" 50 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
     --policies fixed:1.0,fixed:0.9,adaptive --arrivals poisson --mode mars --no-quality --clock measured \
     "${sim_size[@]}" --out "$OUT/small/serve-measured"
-step "serve-sim exact" 30 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
+step "serve-sim exact" 50 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
     --policies fixed:1.0 --arrivals poisson --mode exact --no-quality --clock measured \
     "${sim_size[@]}" --out "$OUT/small/serve-exact"
-# 3. methods in turns in one process (session 28: a process's first ~35 s of passes ran 1.6-2.3x slow)
-for rows in 1 4; do
-    step "turns at $rows rows" 25 env PYTHONPATH=".:$PYTHONPATH" $py scripts/batch_turns.py --model "$model" --prompts assets/data/heldout_varied32.json \
-        --batch $rows --methods ar,exact,mars:0.9 "${turns_size[@]}"
-done
 # 4. single-sequence and batch speed
 step bench 50 $py -m mars_demo bench --model "$model" --prompts assets/data/heldout_varied32.json --taus 0.9 \
     --methods hf_generate,ar,mars,mars_exact,ar_batch_ours,mars_batch_token,exact_batch "${bench_size[@]}" \
