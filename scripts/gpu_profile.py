@@ -81,6 +81,21 @@ def summary(method: str, passes: list[dict], surface) -> str:
             + (f", surface's price median {statistics.median(priced):6.2f} ms" if priced else ""))
 
 
+def by_shape(timed: dict[str, list[dict]], surface) -> str:
+    """The synchronised forward's median ms by (rows, width) over every method's decoding passes, against the
+    surface's price: whether a wide pass on this path costs what the surface says."""
+    shapes: dict[tuple[int, int], list[float]] = {}
+    for passes in timed.values():
+        for p in passes:
+            if p["kind"] != "prefill" and p["rows"]:
+                shapes.setdefault((p["rows"], p["width"]), []).append(p["forward_ms"])
+    lines = ["rows width passes forward-ms surface-ms"]
+    for (rows, width), ms in sorted(shapes.items()):
+        price = f"{surface.ms(rows, width):10.2f}" if surface else "         -"
+        lines.append(f"{rows:4d} {width:5d} {len(ms):6d} {statistics.median(ms):10.2f} {price}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", default="assets/data/heldout_varied32.json")
@@ -109,6 +124,7 @@ def main() -> None:
     for method in methods:
         record["timed"][method] = passes = run(lm, prompts, method, args.max_new_tokens, clock)
         print("timed: " + summary(method, passes, surface))
+    print(by_shape(record["timed"], surface))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     for method in methods:
