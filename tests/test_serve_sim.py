@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -82,6 +83,23 @@ def test_policies_take_turns_pass_by_pass(tiny_qwen):
     together = result["policies"][1]
     assert together["summary"]["done"] == 5 and together["summary"]["tokens"] == summarise(alone)["tokens"]
     assert [r["token_ids"] for r in together["requests"]] == [r["token_ids"] for r in request_records(alone)]
+
+
+def test_a_policy_may_decode_in_its_own_mode_beside_the_others(tiny_qwen):
+    """"fixed:1.0@exact" serves in exact mode in the same run as MARS policies, taking turns with them: greedy AR's
+    text (agreement 1.0 with fixed:1.0) from verifying passes, as exact mode replayed alone gives."""
+    config = SimConfig(rate=50.0, requests=5, policies=("fixed:1.0", "fixed:1.0@exact"), max_batch=2,
+                       max_new_tokens=10)
+    pool = [prompt_ids(tiny_qwen.tokenizer, p) for p in PROMPTS]
+    result = simulate(tiny_qwen, config, pool)
+    ar, exact = (p["summary"] for p in result["policies"])
+    assert (ar["policy"], exact["policy"]) == ("fixed:1", "fixed:1@exact")
+    assert exact["done"] == 5 and exact["agreement"] == 1.0
+    assert ar["width_mean"] == 1.0 and exact["width_mean"] > 1.0  # exact passes verify drafts and read masks
+    alone = replay(tiny_qwen, replace(config, mode="exact"), "fixed:1.0", make_requests(config, pool))
+    texts = [r["token_ids"] for r in result["policies"][1]["requests"]]
+    assert texts == [r["token_ids"] for r in request_records(alone)]
+    assert serve_sim.lossless_drift([ar, {**exact, "agreement": 0.9}], "mars", True) == ["fixed:1@exact"]
 
 
 def test_rolling_throughput():

@@ -249,7 +249,8 @@ def test_policies_map_load_to_tau():
     assert isinstance(parse_policy("latency:3"), LatencyTarget) and isinstance(parse_policy("ladder"), Ladder)
 
 
-BAD_POLICIES = ["fixed", "fixed:1.5", "fixed:x", "latency:0", "latency:-1", "ladder:a=b", "turbo", ""]
+BAD_POLICIES = ["fixed", "fixed:1.5", "fixed:x", "latency:0", "latency:-1", "ladder:a=b", "turbo", "", "fixed:1@ar",
+                "adaptive@"]
 
 
 @pytest.mark.parametrize("spec", BAD_POLICIES)

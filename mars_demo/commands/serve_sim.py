@@ -20,7 +20,7 @@ from ..engine.checkpoints.loading import BUNDLED_BASE, default_precision, load_m
 from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.config import VERIFYING_MODES
 from ..engine.decoding.surface import read_surface, surface_for
-from ..engine.serving.policies import DEFAULT_LADDER, POLICY_HELP, split_policies
+from ..engine.serving.policies import DEFAULT_LADDER, POLICY_HELP, mode_of, parse_policy, split_policies
 from ..engine.serving.replay import ARRIVALS, LIMITS, SimConfig
 from ..research.benchmark import row_exact
 from ..research.distillation import read_prompts
@@ -105,10 +105,12 @@ def given_surface(args: argparse.Namespace) -> tuple | None:
 
 def lossless_drift(summaries: list[dict], mode: str, exact: bool) -> list[str]:
     """Exact mode gives greedy AR's text whatever the policy and the batch a request shared: where each row is
-    computed alone (``exact``: benchmark.row_exact), the policies whose requests' texts differ from fixed:1.0's."""
-    if mode != "exact" or not exact:
+    computed alone (``exact``: benchmark.row_exact), the exact-mode policies (``mode``, or their own "@exact")
+    whose requests' texts differ from fixed:1.0's."""
+    if not exact:
         return []
-    return [s["policy"] for s in summaries if s.get("agreement") is not None and s["agreement"] < 1.0]
+    lossless = [s for s in summaries if mode_of(parse_policy(s["policy"]), mode) == "exact"]
+    return [s["policy"] for s in lossless if s.get("agreement") is not None and s["agreement"] < 1.0]
 
 
 def run(args: argparse.Namespace) -> int:

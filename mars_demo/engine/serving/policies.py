@@ -37,6 +37,8 @@ class Load:
 
 
 class Fixed:
+    mode: str | None = None  # parse_policy's "SPEC@MODE"
+
     def __init__(self, tau: float) -> None:
         self.tau = check_tau(tau)
         self.name = f"fixed:{self.tau:g}"
@@ -47,6 +49,8 @@ class Fixed:
 
 class Ladder:
     """tau of the highest step the waiting requests reach (``demand``: the running and waiting requests)."""
+
+    mode: str | None = None  # parse_policy's "SPEC@MODE"
 
     def __init__(
         self, steps: Sequence[tuple[int, float]] = DEFAULT_LADDER, name: str | None = None, demand: bool = False,
@@ -72,6 +76,8 @@ class Ladder:
 class LatencyTarget:
     """Steps tau down LEVELS while latency is over ``target`` s, up once it is under target / 2 (stateful)."""
 
+    mode: str | None = None  # parse_policy's "SPEC@MODE"
+
     def __init__(self, target: float, levels: Sequence[float] = LEVELS) -> None:
         if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
             raise ValueError(f"the latency target must be a positive number of seconds, got {target}")
@@ -90,8 +96,10 @@ class LatencyTarget:
 
 Policy = Callable[[Load], float]
 POLICY_HELP = (
-    "fixed:T (0 <= T <= 1), ladder[:Q=T,...], demand:N=T,..., latency:SECONDS, adaptive (= the default ladder)"
+    "fixed:T (0 <= T <= 1), ladder[:Q=T,...], demand:N=T,..., latency:SECONDS, adaptive (= the default ladder); "
+    "any of them @MODE (mars, hybrid, exact) to decode in that mode instead of the run's (fixed:1.0@exact)"
 )
+MODES = ("mars", "hybrid", "exact")
 
 
 def split_policies(text: str) -> list[str]:
@@ -106,7 +114,28 @@ def split_policies(text: str) -> list[str]:
 
 
 def parse_policy(text: str) -> Policy:
-    """One policy from its spec (POLICY_HELP); a ValueError with one line for anything else."""
+    """One policy from its spec (POLICY_HELP); a ValueError with one line for anything else.
+
+    "SPEC@MODE" decodes the policy's requests in MODE rather than the serving loop's mode (its ``mode``
+    attribute, None without one; its name keeps the suffix): modes side by side in one run take turns
+    pass by pass (simulation.interleaved), as policies do, so the machine's drift slows them alike.
+    """
+    spec, at, mode = text.strip().partition("@")
+    if at and mode.strip() not in MODES:
+        raise ValueError(f"bad policy {text!r}: the mode after @ must be one of {', '.join(MODES)}")
+    policy = _parse_spec(spec)
+    if at:
+        policy.name, policy.mode = f"{policy.name}@{mode.strip()}", mode.strip()
+    return policy
+
+
+def mode_of(policy: Policy, default: str) -> str:
+    """The mode ``policy`` decodes in: its own ("SPEC@MODE"), else ``default``."""
+    return getattr(policy, "mode", None) or default
+
+
+def _parse_spec(text: str) -> Policy:
+    """A policy without a mode (parse_policy)."""
     name, _, arg = text.strip().partition(":")
     try:
         if name == "fixed" and arg:

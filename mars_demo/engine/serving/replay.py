@@ -41,7 +41,7 @@ from ..decoding.metrics import agreement, per_forward, per_second
 from ..decoding.surface import Surface
 from ..model import LoadedModel
 from .loop import LoopEvent, PassCost, Request, ServeConfig, ServingLoop
-from .policies import parse_policy
+from .policies import mode_of, parse_policy
 
 ARRIVALS = ("poisson", "burst")
 BURST = 8
@@ -121,12 +121,14 @@ class PolicyRun:
 
 def new_loop(lm: LoadedModel, config: SimConfig, policy: str, pass_cost=None, surface: Surface | None = None
              ) -> ServingLoop:
+    """A serving loop for one policy spec, in the policy's own mode where it names one (policies.parse_policy)."""
+    parsed = parse_policy(policy)
     return ServingLoop(
         lm.backend, mask_id=lm.meta.mask_token_id, pad_id=pad_id(lm.tokenizer),
         stop_ids=eos_ids(lm.backend, lm.tokenizer),
-        policy=parse_policy(policy), pass_cost=pass_cost, surface=surface,
-        config=ServeConfig(mode=config.mode, max_batch=config.max_batch, max_new_tokens=config.max_new_tokens,
-                           block_size=lm.meta.block_size),
+        policy=parsed, pass_cost=pass_cost, surface=surface,
+        config=ServeConfig(mode=mode_of(parsed, config.mode), max_batch=config.max_batch,
+                           max_new_tokens=config.max_new_tokens, block_size=lm.meta.block_size),
     )
 
 
@@ -162,12 +164,15 @@ def replay(
 
 
 def warm_up(lm: LoadedModel, config: SimConfig, requests: Sequence[Request]) -> None:
-    """A short untimed replay (two requests, a few tokens, both widths) so no policy pays first-call costs."""
-    short = SimConfig(
-        rate=config.rate, requests=2, max_batch=2, max_new_tokens=4, policies=("fixed:0.5",), mode=config.mode
-    )
-    for policy in ("fixed:1.0", "fixed:0.5"):
-        replay(lm, short, policy, [Request(i, r.prompt, 0.0) for i, r in enumerate(requests[:2])])
+    """A short untimed replay (two requests, a few tokens, both widths) in every mode the policies decode in, so no
+    policy pays first-call costs."""
+    modes = dict.fromkeys(mode_of(parse_policy(spec), config.mode) for spec in config.policies)
+    for mode in modes:
+        short = SimConfig(
+            rate=config.rate, requests=2, max_batch=2, max_new_tokens=4, policies=("fixed:0.5",), mode=mode
+        )
+        for policy in ("fixed:1.0", "fixed:0.5"):
+            replay(lm, short, policy, [Request(i, r.prompt, 0.0) for i, r in enumerate(requests[:2])])
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
