@@ -257,8 +257,8 @@ def _serving_tab() -> dict:
     with gr.Row():
         c["serve_policies"] = gr.CheckboxGroup(list(POLICY_CHOICES), value=DEFAULT_POLICIES, label="Policies", scale=3,
                                                elem_id="serve-policies")
-        c["serve_extra"] = gr.Textbox(label="More policies", placeholder="e.g. fixed:0.7, ladder:0=1,2=0.9,6=0.7",
-                                      scale=2, elem_id="serve-extra")
+        c["serve_extra"] = gr.Textbox(label="More policies", scale=2, elem_id="serve-extra",
+                                      placeholder="e.g. fixed:0.7, ladder:0=1,2=0.9,6=0.7, adaptive@hybrid")
         c["serve_max_batch"] = _serving_slider("max_batch", "Max batch", 1)
         c["serve_max_new"] = _serving_slider("max_new_tokens", "Max new tokens", 8)
         c["serve_from_machine"] = gr.Checkbox(

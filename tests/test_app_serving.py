@@ -116,6 +116,16 @@ def test_bad_model_and_markup_are_refused_escaped(serving):
     assert "<img" not in str(err.value) and "&lt;img" in str(err.value)
 
 
+def test_exact_mode_serves_beside_the_tau_policies_and_gives_fixed_ones_text(serving):
+    """The tab's "fixed:1.0@exact" choice: exact mode in the same run, taking turns with the others, lossless."""
+    outputs = list(start(serving, ServingState(), policies=["fixed:1.0", "fixed:1.0@exact"]))
+    status, *_, width, _, totals = outputs[-1]
+    assert "Finished: 2 of 2 policies" in status
+    assert [row[0] for row in totals] == ["fixed:1", "fixed:1@exact"]
+    assert all(row[1] == 6 for row in totals) and totals[1][-1] == 1.0  # greedy AR's text in exact mode
+    assert any(w and w > 1 for w in width.data[1].y)  # its passes verify drafts: wider than AR's
+
+
 def test_settings_parse_within_bounds():
     config, limit = parse_settings(**{**GOOD, "extra": "ladder:0=1,2=0.8"})
     assert config.policies[-1] == "ladder:0=1,2=0.8" and limit == 60

@@ -53,7 +53,7 @@ BOUNDS = {
     "max_batch": (1, 8, 4),
     "max_new_tokens": (8, 128, 48),
 }
-POLICY_CHOICES = ("fixed:1.0", "fixed:0.95", "fixed:0.9", "fixed:0.8", "adaptive", "latency:10")
+POLICY_CHOICES = ("fixed:1.0", "fixed:0.95", "fixed:0.9", "fixed:0.8", "adaptive", "latency:10", "fixed:1.0@exact")
 DEFAULT_POLICIES = ["fixed:1.0", "fixed:0.9", "adaptive"]
 TOTALS = (  # (key, header, digits): the tab's totals table
     ("policy", "policy", None), ("done", "done", None), ("tokens_per_second", "tokens / s", 1),
@@ -74,7 +74,8 @@ requests on a clock driven by the measured pass times, the policies taking turns
 acceptance: plain AR passes where no mask pays, so adaptive lowers tau only where wider passes pay. With
 **rate from this machine** on, the rate is set to 1.5x what batched AR sustains here (read off the surface),
 so a queue builds and the policies part ways. Agreement compares each output with fixed:1.0's (tau 1.0 is the
-AR output). The run holds the decoding slot, so races wait, for at most its time limit."""
+AR output). A policy ending in **@exact** serves in exact mode: AR's own text, from passes that verify drafts.
+The run holds the decoding slot, so races wait, for at most its time limit."""
 OVERLOAD = 1.5  # "rate from this machine": arrivals at this multiple of what batched AR sustains
 RUN_SECONDS = 6.0  # ... and enough requests to keep batched AR busy about this long
 
