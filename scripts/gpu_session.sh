@@ -60,13 +60,11 @@ for rows in 8 4; do  # at least turns_limit prompts, and a full batch of them
     step "turns at $rows rows" 40 env PYTHONPATH=".:$PYTHONPATH" $py scripts/batch_turns.py --model "$model" --prompts assets/data/heldout_varied32.json \
         --batch $rows --limit $(( rows > turns_limit ? rows : turns_limit )) --methods ar,exact,mars:0.9,mars:0.7 "${turns_size[@]}"
 done
-# 3. serving on the measured clock (the GPU's own cost surface prices each pass's width)
-step "serve-sim measured" 50 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
-    --policies fixed:1.0,fixed:0.9,adaptive --arrivals poisson --mode mars --no-quality --clock measured \
+# 3. serving on the measured clock (the GPU's own cost surface prices each pass's width); exact mode in the same run,
+# taking turns with the others pass by pass (session 33 ran it in a process of its own, in another phase)
+step "serve-sim measured" 60 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
+    --policies fixed:1.0,fixed:0.9,adaptive,fixed:1.0@exact --arrivals poisson --mode mars --no-quality --clock measured \
     "${sim_size[@]}" --out "$OUT/small/serve-measured"
-step "serve-sim exact" 50 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
-    --policies fixed:1.0 --arrivals poisson --mode exact --no-quality --clock measured \
-    "${sim_size[@]}" --out "$OUT/small/serve-exact"
 # 4. single-sequence and batch speed
 step bench 50 $py -m mars_demo bench --model "$model" --prompts assets/data/heldout_varied32.json --taus 0.9 \
     --methods hf_generate,ar,mars,mars_exact,ar_batch_ours,mars_batch_token,exact_batch "${bench_size[@]}" \
