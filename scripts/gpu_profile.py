@@ -1,11 +1,10 @@
 """Where a batched pass's time goes, by method: the forward against the host work around it, pass by pass.
 
-On the H200 of session 33 (BENCHMARKS.md, "GPU"), batched MARS and exact at 8 rows ran at about half batched
-AR's tokens per second, though the measured cost surface was flat (about 21 ms a pass at any width), and
-serve-sim's measured clock charged exact-mode passes about 3x an AR pass. This script answers where that
-time goes. It first decodes in a loop for ``--warmup`` seconds, recording each pass (a process's first
-passes ran slow there), then times every method's passes with the forward synchronised and timed apart
-(the rest of ``TokenBatch.step`` is host work: acceptance, pricing, bookkeeping), then runs each method once
+On a GPU the measured cost surface can be flat while batched MARS and exact passes take far longer than it says
+(BENCHMARKS.md, "GPU"). This script answers where that time goes. It first decodes in a loop for ``--warmup``
+seconds, recording each pass (a process's first passes can run slow), then times every method's passes with the
+forward synchronised and timed apart (the rest of ``TokenBatch.step`` is host work: acceptance, pricing,
+bookkeeping), compares the forward by rows and width with the surface's price, then runs each method once
 under ``torch.profiler`` and prints the ops that took the most device and host time.
 
     PYTHONPATH=. python scripts/gpu_profile.py --batch 8 --methods ar,exact,mars:0.9 --out DIR

@@ -43,7 +43,7 @@ else
     train_size=(--epochs "${EPOCHS:-3}" --batch-size "${BATCH:-16}" --lr "${LR:-6e-4}" --save-every 100 --val-every 400)
     bench_size=(--limit 4 --max-new-tokens 64 --batch-sizes 1,2,4,8)  # an eager pass takes ~20 ms on an H200
     sim_size=(--requests 60 --max-new-tokens 64)
-    turns_size=(--turns 3 --max-new-tokens 64 --precision auto); turns_limit=4  # a turn at 8 rows: ~15 s on an H200
+    turns_size=(--turns 3 --max-new-tokens 64 --precision auto); turns_limit=4  # sized to fit (CONTRIBUTING.md)
     profile_size=(--batch 8 --max-new-tokens 64 --warmup 40)
     device=()
 fi
@@ -52,8 +52,8 @@ model=$runs/gpu
 [ "${SKIP_TRAIN:-0}" = 1 ] || step train 60 $py -m mars_demo train --base smollm2-135m --data assets/data/distill.jsonl --out "$model" \
     --val-data assets/data/heldout_val64.jsonl --ar-weight 2.0 "${train_size[@]}" "${device[@]}"
 [ -f "$model/adapter_model.safetensors" ] || model=smollm2-135m-mars  # no adapter: measure the bundled one
-# 2. where a batched pass's time goes (session 33, H200: batched MARS and exact ran at half batched AR at 8 rows
-# though the surface was flat); then the methods in turns in one process, the rows that matter most first
+# 2. where a batched pass's time goes (BENCHMARKS.md, "GPU": wide batched passes cost more than the surface said);
+# then the methods in turns in one process, the rows that matter most first
 step profile 35 env PYTHONPATH=".:$PYTHONPATH" $py scripts/gpu_profile.py --model "$model" "${profile_size[@]}" \
     --out "$OUT/small/profile"
 for rows in 8 4; do  # at least turns_limit prompts, and a full batch of them
@@ -61,7 +61,7 @@ for rows in 8 4; do  # at least turns_limit prompts, and a full batch of them
         --batch $rows --limit $(( rows > turns_limit ? rows : turns_limit )) --methods ar,exact,mars:0.9,mars:0.7 "${turns_size[@]}"
 done
 # 3. serving on the measured clock (the GPU's own cost surface prices each pass's width); exact mode in the same run,
-# taking turns with the others pass by pass (session 33 ran it in a process of its own, in another phase)
+# taking turns with the others pass by pass (a run of its own reads another phase of the machine)
 step "serve-sim measured" 60 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
     --policies fixed:1.0,fixed:0.9,adaptive,fixed:1.0@exact --arrivals poisson --mode mars --no-quality --clock measured \
     "${sim_size[@]}" --out "$OUT/small/serve-measured"
