@@ -11,6 +11,8 @@ Runs (method, tau, batch size), each over all prompts:
   mars_batch        block-level batch decoder (the paper's scheme) at each tau
   mars_batch_token  token-level batch decoder at each tau
   exact_batch       token-level batch decoder in exact mode: greedy AR's output, batched
+  llama_cpp*        llama.cpp on the bundled GGUF, only when named (llama_cpp.py); llama_cpp and llama_cpp_q4 at
+                    every batch size (batched AR's peers)
 The token-level runs choose each pass's width with the width controller on the measured cost
 surface (decoding/width.py; ``--max-fed none`` feeds the full window), recorded in ``machine``.
 
@@ -137,7 +139,7 @@ def plan(config: BenchConfig) -> list[Job]:
     if 1 in config.batch_sizes:
         jobs += jobs_for(SINGLE + llama_cpp.METHODS, 1)
     for b in sorted(b for b in set(config.batch_sizes) if b > 1):
-        jobs += jobs_for(BATCHED, b)
+        jobs += jobs_for(BATCHED + llama_cpp.BATCHED, b)
     return jobs
 
 
@@ -235,7 +237,7 @@ def run_job(
     if job.method in ("hf_generate", "ar_batch"):
         return run_hf(lm, prompts, job.batch_size, max_new, tick)
     if job.method in llama_cpp.METHODS:
-        return llama_cpp.run(lm, job.method, prompts, max_new, tick)
+        return llama_cpp.run(lm, job.method, prompts, max_new, tick, job.batch_size)
     if job.method == "prompt_lookup":
         return run_hf(lm, prompts, 1, max_new, tick, prompt_lookup_num_tokens=config.prompt_lookup_tokens)
     mode = "ar" if job.method in AR_METHODS else "exact" if job.method in ("mars_exact", "exact_batch") else "mars"
