@@ -10,6 +10,7 @@ from mars_demo import cli
 from mars_demo.commands import bench as bench_command
 from mars_demo.engine.decoding.metrics import agreement
 from mars_demo.research import benchmark
+from mars_demo.research import report as report_page
 from mars_demo.research.benchmark import METHODS, BenchConfig, Outcome, add_speedups, cut_at_stop, plan
 
 from conftest import PROMPTS, make_lm
@@ -177,3 +178,23 @@ def test_the_runs_of_a_batch_size_take_turns_and_keep_prompt_order(monkeypatch):
     batched = benchmark.run_group(None, groups[1], prompts, config)[groups[1][0]]
     assert [ids for _, ids, _ in calls[-2:]] == [[10, 11], [12]]  # batches of 2
     assert [row[0] for row in batched.outputs] == [10, 11, 12]
+
+
+def test_the_report_draws_each_decoder_across_batch_sizes_and_tau_only_where_a_tau_method_ran():
+    def run(method, tau, batch, speed):
+        return {"method": method, "tau": tau, "batch_size": batch, "tokens_per_second": speed}
+
+    runs = [run("ar", 1.0, 1, 100.0), run("mars", 0.9, 1, 130.0), run("llama_cpp", None, 1, 80.0),
+            run("ar_batch_ours", 1.0, 2, 180.0), run("mars_batch_token", 0.9, 2, 200.0),
+            run("mars_batch_token", 0.7, 2, 210.0), run("llama_cpp", None, 2, 90.0)]
+    lines = {trace.name: (list(trace.x), list(trace.y)) for trace in report_page.speed_by_batch(runs).data}
+    assert lines == {"our AR": ([1, 2], [100.0, 180.0]), "MARS tau=0.9": ([1, 2], [130.0, 200.0]),
+                     "MARS tau=0.7": ([2], [210.0]), "llama.cpp Q8_0": ([1, 2], [80.0, 90.0])}
+    full = {**run("ar", 1.0, 1, 1.0), "tokens_per_forward": 1.0, "speedup": 1.0, "delta_nll_self": 0.0,
+            "agreement": 1.0}
+    plain = [full, {**full, "method": "llama_cpp", "tau": None}]  # one batch size, no tau method
+    page = report_page.to_html({"runs": plain, "machine": {}})
+    assert "Throughput against tau" not in page and "Throughput by batch size" not in page
+    page = report_page.to_html({"runs": plain + [{**full, "method": "mars", "tau": 0.9, "batch_size": 2}],
+                                "machine": {}})
+    assert "Throughput against tau" in page and "Throughput by batch size" in page

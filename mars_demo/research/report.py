@@ -66,6 +66,33 @@ def speed_by_tau(runs: list[dict]) -> go.Figure:
     return fig
 
 
+FAMILIES = {  # bench method -> the line it belongs to across batch sizes (speed_by_batch)
+    "ar": "our AR", "ar_batch_ours": "our AR", "mars": "MARS", "mars_batch_token": "MARS",
+    "mars_batch": "MARS, block scheme", "mars_exact": "exact mode", "exact_batch": "exact mode",
+    "hf_generate": "transformers generate", "ar_batch": "transformers generate",
+    "llama_cpp": "llama.cpp Q8_0", "llama_cpp_q4": "llama.cpp Q4_1",
+}
+
+
+def speed_by_batch(runs: list[dict]) -> go.Figure:
+    """Tokens/s against batch size: one line per decoder (a one-sequence method and its batched form together, MARS
+    per tau), so batched AR, MARS, exact mode and llama.cpp are read side by side as rows are added."""
+    lines: dict[str, list[dict]] = {}
+    for run in runs:
+        name = FAMILIES.get(run["method"], run["method"])
+        if run["method"] in TAU_METHODS:
+            name += f" tau={run['tau']:g}"
+        lines.setdefault(name, []).append(run)
+    fig = go.Figure([
+        go.Scatter(x=[r["batch_size"] for r in items], y=[r["tokens_per_second"] for r in items],
+                   mode="lines+markers", name=name)
+        for name, items in ((n, sorted(i, key=lambda r: r["batch_size"])) for n, i in lines.items())
+    ])
+    fig.update_layout(title="Throughput by batch size (all rows together)", xaxis_title="batch size (rows)",
+                      yaxis_title="tokens / s", xaxis={"type": "log", "dtick": 0.30103}, template="plotly_white")
+    return fig
+
+
 def speed_quality(runs: list[dict]) -> go.Figure:
     """Speed-up against quality loss (dNLL), one point per run."""
     fig = go.Figure()
@@ -116,7 +143,12 @@ def _html_table(rows: list[list[str]], header: list[str]) -> str:
 def to_html(report: dict) -> str:
     """One self-contained page: command, machine, charts (plotly.js inlined once), the runs table."""
     runs = report["runs"]
-    figures = [speed_quality(runs), speed_by_tau(runs), tokens_per_forward(runs)]
+    figures = [speed_quality(runs)]
+    if len({r["batch_size"] for r in runs}) > 1:
+        figures.append(speed_by_batch(runs))
+    if any(r["method"] in TAU_METHODS for r in runs):  # without a tau method every line is one point at tau 1
+        figures.append(speed_by_tau(runs))
+    figures.append(tokens_per_forward(runs))
     if report.get("profile"):
         figures.append(pass_profile(report["profile"]))
     charts = "".join(
