@@ -88,10 +88,12 @@ def by_shape(timed: dict[str, list[dict]], surface) -> str:
         for p in passes:
             if p["kind"] != "prefill" and p["rows"]:
                 shapes.setdefault((p["rows"], p["width"]), []).append(p["forward_ms"])
-    lines = ["rows width passes forward-ms surface-ms"]
+    lines = ["rows width passes forward-ms (p10 p90) surface-ms"]
     for (rows, width), ms in sorted(shapes.items()):
         price = f"{surface.ms(rows, width):10.2f}" if surface else "         -"
-        lines.append(f"{rows:4d} {width:5d} {len(ms):6d} {statistics.median(ms):10.2f} {price}")
+        ms = sorted(ms)  # p10 and p90 beside the median: session 33's passes came in two speeds (NOTES item 1)
+        spread = f"({ms[len(ms) // 10]:6.2f} {ms[9 * len(ms) // 10]:6.2f})"
+        lines.append(f"{rows:4d} {width:5d} {len(ms):6d} {statistics.median(ms):10.2f} {spread} {price}")
     return "\n".join(lines)
 
 
