@@ -13,6 +13,7 @@ under ``torch.profiler`` and prints the ops that took the most device and host t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -55,17 +56,54 @@ class ForwardClock:
         return timed
 
 
+COLLECTIONS = [0, 0, 0]  # Python's garbage collections so far, by generation (gc.callbacks)
+gc.callbacks.append(lambda phase, info: COLLECTIONS.__setitem__(info["generation"], COLLECTIONS[info["generation"]]
+                                                                 + (phase == "start")))
+
+
+def allocator() -> tuple[int, int]:
+    """The CUDA caching allocator's (segments allocated, alloc retries) so far; zeros without a GPU."""
+    if not torch.cuda.is_available():
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return stats.get("segment.all.allocated", 0), stats.get("num_alloc_retries", 0)
+
+
 def run(lm, prompts, method: str, tokens: int, clock: ForwardClock) -> list[dict]:
-    """Decode ``prompts`` as one batch with ``method`` (mode[:tau]); one record per pass."""
+    """Decode ``prompts`` as one batch with ``method`` (mode[:tau]); one record per pass, with what else happened in
+    it: Python's full collections and the CUDA allocator's new segments (session 33's passes came in two speeds)."""
     mode, tau = (method.split(":") + ["1.0"])[:2]
     config = DecodeConfig(mode=mode, tau=float(tau), max_new_tokens=tokens)
-    passes = []
+    passes, before = [], (COLLECTIONS[2], *allocator())
     for event in stream_batch_ids(lm, prompts, config, scheme="token"):
         forward, clock.seconds = clock.seconds, 0.0
+        now = (COLLECTIONS[2], *allocator())
         live = sum(1 for row in event.rows if row.token_ids)
         passes.append({"kind": event.kind, "rows": live, "width": event.fed, "tokens": event.tokens,
-                       "ms": event.seconds * 1e3, "forward_ms": forward * 1e3})
+                       "ms": event.seconds * 1e3, "forward_ms": forward * 1e3, "full_gc": now[0] - before[0],
+                       "segments": now[1] - before[1], "retries": now[2] - before[2]})
+        before = now
     return passes
+
+
+def slow_passes(timed: dict[str, list[dict]]) -> str:
+    """Decoding passes over twice their shape's median against the rest: what the slow ones share (a full
+    collection, a new allocator segment, the forward or the host)."""
+    shapes: dict[tuple[int, int], list[float]] = {}
+    decode = [p for passes in timed.values() for p in passes if p["kind"] != "prefill" and p["rows"]]
+    for p in decode:
+        shapes.setdefault((p["rows"], p["width"]), []).append(p["ms"])
+    medians = {shape: statistics.median(ms) for shape, ms in shapes.items()}
+    lines = []
+    for name, slow in (("slow", True), ("other", False)):
+        group = [p for p in decode if (p["ms"] > 2 * medians[p["rows"], p["width"]]) == slow]
+        if group:
+            mean = {key: sum(p[key] for p in group) / len(group) for key in ("ms", "forward_ms", "full_gc",
+                                                                              "segments", "retries")}
+            lines.append(f"{name:5s} passes {len(group):5d}: forward {mean['forward_ms']:6.2f} ms, host "
+                         f"{mean['ms'] - mean['forward_ms']:6.2f} ms, full collections {mean['full_gc']:.3f}, new "
+                         f"segments {mean['segments']:.3f}, alloc retries {mean['retries']:.3f} a pass")
+    return "\n".join(lines)
 
 
 def summary(method: str, passes: list[dict], surface) -> str:
@@ -126,6 +164,7 @@ def main() -> None:
         record["timed"][method] = passes = run(lm, prompts, method, args.max_new_tokens, clock)
         print("timed: " + summary(method, passes, surface))
     print(by_shape(record["timed"], surface))
+    print(slow_passes(record["timed"]))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     for method in methods:
