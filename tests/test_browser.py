@@ -96,7 +96,7 @@ def server(tmp_path_factory):
         # CPU decodes (~3 ms a pass on int8dyn), so a drag lands mid-run
         "MARS_DEMO_VIEW_EVERY": str(VIEW_EVERY_HERE), "MARS_DEMO_VIEW_SETTLE": "0.05",
         # the live batch paced (test_browser_live.py): two visitors' answers stream for seconds, side by side
-        "MARS_DEMO_LIVE_PACE": "0.03",
+        "MARS_DEMO_LIVE_PACE": "0.05",
     }
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(log, "w") as sink:
