@@ -41,7 +41,7 @@ def test_two_visitors_share_the_batch_and_tau_drops_while_both_run(browser, serv
         for page, prompt in zip(pages, PROMPTS):
             page.fill("#live-prompt textarea", prompt)
         # the second visitor sends once the first one decodes: clicked together, the second answer once ended
-        # before the first began (CI, session 34); this way the two overlap for most of the first one's passes
+        # before the first began in a CI run; this way the two overlap for most of the first one's passes
         # (MARS_DEMO_LIVE_PACE, test_browser.py)
         pages[0].click("#live-send")
         started = time.monotonic() + 120
