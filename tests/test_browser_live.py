@@ -16,7 +16,9 @@ from pathlib import Path
 
 from test_browser import browser, pytestmark, server  # noqa: F401 - the fixtures and skips, shared
 
-PROMPTS = ("Explain photosynthesis in three sentences.", "Write a short poem about the sea <b>bold</b>.")
+# the longer answer first (the poem runs to the token limit, the explanation ends sooner): the second visitor's answer
+# then shares the batch from its start to its end
+PROMPTS = ("Write a short poem about the sea <b>bold</b>.", "Explain photosynthesis in three sentences.")
 TIPS = "[...document.querySelectorAll('#live-pane .tok')].map(e => e.dataset.tip)"
 
 
