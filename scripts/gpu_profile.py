@@ -56,9 +56,15 @@ class ForwardClock:
         return timed
 
 
-COLLECTIONS = [0, 0, 0]  # Python's garbage collections so far, by generation (gc.callbacks)
-gc.callbacks.append(lambda phase, info: COLLECTIONS.__setitem__(info["generation"], COLLECTIONS[info["generation"]]
-                                                                 + (phase == "start")))
+COLLECTIONS = [0, 0, 0]  # Python's garbage collections so far, by generation
+
+
+def _counted(phase: str, info: dict) -> None:
+    if phase == "start":
+        COLLECTIONS[info["generation"]] += 1
+
+
+gc.callbacks.append(_counted)
 
 
 def allocator() -> tuple[int, int]:
@@ -87,14 +93,23 @@ def run(lm, prompts, method: str, tokens: int, clock: ForwardClock) -> list[dict
     return passes
 
 
+def decoding(timed: dict[str, list[dict]]) -> list[dict]:
+    """Every method's decoding passes (no prefill) with live rows."""
+    return [p for passes in timed.values() for p in passes if p["kind"] != "prefill" and p["rows"]]
+
+
+def by_rows_and_width(passes: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    shapes: dict[tuple[int, int], list[dict]] = {}
+    for p in passes:
+        shapes.setdefault((p["rows"], p["width"]), []).append(p)
+    return shapes
+
+
 def slow_passes(timed: dict[str, list[dict]]) -> str:
     """Decoding passes over twice their shape's median against the rest: what the slow ones share (a full
     collection, a new allocator segment, the forward or the host)."""
-    shapes: dict[tuple[int, int], list[float]] = {}
-    decode = [p for passes in timed.values() for p in passes if p["kind"] != "prefill" and p["rows"]]
-    for p in decode:
-        shapes.setdefault((p["rows"], p["width"]), []).append(p["ms"])
-    medians = {shape: statistics.median(ms) for shape, ms in shapes.items()}
+    decode = decoding(timed)
+    medians = {shape: statistics.median(p["ms"] for p in passes) for shape, passes in by_rows_and_width(decode).items()}
     lines = []
     for name, slow in (("slow", True), ("other", False)):
         group = [p for p in decode if (p["ms"] > 2 * medians[p["rows"], p["width"]]) == slow]
@@ -122,15 +137,11 @@ def summary(method: str, passes: list[dict], surface) -> str:
 def by_shape(timed: dict[str, list[dict]], surface) -> str:
     """The synchronised forward's median ms by (rows, width) over every method's decoding passes, against the
     surface's price: whether a wide pass on this path costs what the surface says."""
-    shapes: dict[tuple[int, int], list[float]] = {}
-    for passes in timed.values():
-        for p in passes:
-            if p["kind"] != "prefill" and p["rows"]:
-                shapes.setdefault((p["rows"], p["width"]), []).append(p["forward_ms"])
     lines = ["rows width passes forward-ms (p10 p90) surface-ms"]
-    for (rows, width), ms in sorted(shapes.items()):
+    for (rows, width), passes in sorted(by_rows_and_width(decoding(timed)).items()):
         price = f"{surface.ms(rows, width):10.2f}" if surface else "         -"
-        ms = sorted(ms)  # p10 and p90 beside the median: a GPU's passes came in two speeds (NOTES item 1)
+        ms = sorted(p["forward_ms"] for p in passes)  # p10 and p90 beside the median: a GPU's passes came in two
+        # speeds (NOTES item 1)
         spread = f"({ms[len(ms) // 10]:6.2f} {ms[9 * len(ms) // 10]:6.2f})"
         lines.append(f"{rows:4d} {width:5d} {len(ms):6d} {statistics.median(ms):10.2f} {spread} {price}")
     return "\n".join(lines)

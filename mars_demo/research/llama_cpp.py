@@ -221,28 +221,28 @@ def run(
     from .benchmark import Outcome  # bench imports this module lazily, in its runner
 
     stop = eos_ids(lm.backend, lm.tokenizer)
-    result = Outcome()
     if method in BATCHED:
-        runner_ = batched(method, batch_size, torch.get_num_threads())
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            started = time.perf_counter()
+        runner_, size = batched(method, batch_size, torch.get_num_threads()), batch_size
+
+        def one(chunk):  # (outputs, passes, each row's passes): one token a pass while a row is live
             outs, passes = runner_.decode(chunk, max_new, stop)
-            result.seconds += time.perf_counter() - started
-            result.outputs += outs
-            result.forward_passes += passes
-            result.row_passes += [len(out) for out in outs]  # one token a pass while a row is live
-            tick(len(chunk))
-        return result
-    llm = lookup_runner(torch.get_num_threads())
-    for ids in prompts:
+            return outs, passes, [len(out) for out in outs]
+    else:
+        llm, size = lookup_runner(torch.get_num_threads()), 1
+
+        def one(chunk):
+            out, passes = decode(llm, chunk[0], max_new, stop)
+            return [out], passes, [passes]
+    result = Outcome()
+    for start in range(0, len(prompts), size):
+        chunk = prompts[start : start + size]
         started = time.perf_counter()
-        out, passes = decode(llm, ids, max_new, stop)
+        outs, passes, row_passes = one(chunk)
         result.seconds += time.perf_counter() - started
-        result.outputs.append(out)
+        result.outputs += outs
         result.forward_passes += passes
-        result.row_passes.append(passes)
-        tick(1)
+        result.row_passes += row_passes
+        tick(len(chunk))
     return result
 
 

@@ -36,9 +36,15 @@ class Load:
         return math.inf if self.controller is None else self.controller.gain(max(self.running, 1), tau)
 
 
-class Fixed:
-    mode: str | None = None  # parse_policy's "SPEC@MODE"
+class Named:
+    """What every policy carries beside its call: its ``name`` and the mode it decodes in (parse_policy's "SPEC@MODE";
+    None: the serving loop's)."""
 
+    name: str
+    mode: str | None = None
+
+
+class Fixed(Named):
     def __init__(self, tau: float) -> None:
         self.tau = check_tau(tau)
         self.name = f"fixed:{self.tau:g}"
@@ -47,10 +53,8 @@ class Fixed:
         return self.tau
 
 
-class Ladder:
+class Ladder(Named):
     """tau of the highest step the waiting requests reach (``demand``: the running and waiting requests)."""
-
-    mode: str | None = None  # parse_policy's "SPEC@MODE"
 
     def __init__(
         self, steps: Sequence[tuple[int, float]] = DEFAULT_LADDER, name: str | None = None, demand: bool = False,
@@ -73,10 +77,8 @@ class Ladder:
         return tau
 
 
-class LatencyTarget:
+class LatencyTarget(Named):
     """Steps tau down LEVELS while latency is over ``target`` s, up once it is under target / 2 (stateful)."""
-
-    mode: str | None = None  # parse_policy's "SPEC@MODE"
 
     def __init__(self, target: float, levels: Sequence[float] = LEVELS) -> None:
         if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
