@@ -11,11 +11,19 @@ window sit at positions later than every query, which the causal mask hides. So 
 feeds the model exactly what the dynamic one does. The prefill and verifying passes (4-D masks,
 drafts) stay eager, on a dynamic cache. Compiled graphs are per pass width and cache length, so the
 static cache's length is rounded up to ``STATIC_CACHE_STEP``: prompts of different lengths share graphs.
+
+Attention on a GPU: torch's SDPA may pick cuDNN's kernel, which builds a graph for every new shape of
+its inputs. Decode passes change shape every pass (the cache grows; widths and rows vary), so each pass
+would wait for a build that takes longer than the pass's own work. Passes here leave cuDNN out
+(``decode_attention``); every other kernel stays as torch chooses (BENCHMARKS.md, "GPU").
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from .base import Backend, KVCache, check_compaction, left_holes
@@ -23,6 +31,7 @@ from .placement import input_device
 
 STATIC_CACHE_STEP = 256  # a static cache's length is a multiple of this (one graph for many prompt lengths)
 RECOMPILE_LIMIT = 64  # graphs dynamo keeps for the forward: pass widths x cache lengths (its default, 8, is too few)
+DECODE_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)  # all but cuDNN's
 
 
 class HFCache(KVCache):
@@ -78,10 +87,15 @@ class HFCache(KVCache):
 
 
 class TransformersBackend(Backend):
-    """``model``'s own forward; ``compiled``: a compiled forward for the steady decode passes (module docstring)."""
+    """``model``'s own forward; ``compiled``: a compiled forward for the steady decode passes (module docstring).
+
+    ``sdpa``: the SDPA kernels its passes may use on a GPU (``DECODE_SDPA``); None leaves torch's choice.
+    """
 
     def __init__(self, model: PreTrainedModel, compute=None, compiled=None) -> None:
         self.model, self.compute, self.compiled = model, compute, compiled
+        self.sdpa: tuple[SDPBackend, ...] | None = DECODE_SDPA
+        self._on_gpu = input_device(model).type == "cuda"
 
     @property
     def device(self) -> torch.device:
@@ -96,11 +110,18 @@ class TransformersBackend(Backend):
     def forward(self, ids, cache, *, positions=None, mask=None, keep=1, steady=False):
         static = cache is not None and isinstance(cache.inner, StaticCache)
         call = self.compiled if steady and static else self.model
-        out = call(
-            input_ids=ids, attention_mask=mask, position_ids=positions,
-            past_key_values=None if cache is None else cache.inner, use_cache=cache is not None, logits_to_keep=keep,
-        )
+        with decode_attention(self._on_gpu, self.sdpa):
+            out = call(
+                input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep,
+                past_key_values=None if cache is None else cache.inner, use_cache=cache is not None,
+            )
         return out.logits
+
+
+def decode_attention(on_gpu: bool, kernels: tuple[SDPBackend, ...] | None = DECODE_SDPA):
+    """The scope decode passes run in: on a GPU only ``kernels`` (module docstring); elsewhere, or with
+    ``kernels`` None, the kernels torch chooses."""
+    return sdpa_kernel(list(kernels)) if on_gpu and kernels is not None else contextlib.nullcontext()
 
 
 def compile_passes(model: PreTrainedModel, *, backend: str = "inductor", mode: str | None = None, compute=None):
