@@ -44,7 +44,7 @@ else
     bench_size=(--limit 4 --max-new-tokens 64 --batch-sizes 1,2,4,8)  # an eager pass takes ~20 ms on an H200
     sim_size=(--requests 60 --max-new-tokens 64)
     turns_size=(--turns 3 --max-new-tokens 64 --precision auto); turns_limit=4  # sized to fit (CONTRIBUTING.md)
-    profile_size=(--batch 8 --max-new-tokens 64 --warmup 40)
+    profile_size=(--batch 8 --max-new-tokens 64 --warmup 10 --methods ar,exact)
     device=()
 fi
 model=$runs/gpu
@@ -52,10 +52,7 @@ model=$runs/gpu
 [ "${SKIP_TRAIN:-0}" = 1 ] || step train 60 $py -m mars_demo train --base smollm2-135m --data assets/data/distill.jsonl --out "$model" \
     --val-data assets/data/heldout_val64.jsonl --ar-weight 2.0 "${train_size[@]}" "${device[@]}"
 [ -f "$model/adapter_model.safetensors" ] || model=smollm2-135m-mars  # no adapter: measure the bundled one
-# 2. where a batched pass's time goes (BENCHMARKS.md, "GPU": wide batched passes cost more than the surface said);
-# then the methods in turns in one process, the rows that matter most first
-step profile 35 env PYTHONPATH=".:$PYTHONPATH" $py scripts/gpu_profile.py --model "$model" "${profile_size[@]}" \
-    --out "$OUT/small/profile"
+# 2. the methods in turns in one process, the rows that matter most first
 for rows in 8 4; do  # at least turns_limit prompts, and a full batch of them
     step "turns at $rows rows" 40 env PYTHONPATH=".:$PYTHONPATH" $py scripts/batch_turns.py --model "$model" --prompts assets/data/heldout_varied32.json \
         --batch $rows --limit $(( rows > turns_limit ? rows : turns_limit )) --methods ar,exact,mars:0.9,mars:0.7 "${turns_size[@]}"
@@ -65,11 +62,15 @@ done
 step "serve-sim measured" 60 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
     --policies fixed:1.0,fixed:0.9,adaptive,fixed:1.0@exact --arrivals poisson --mode mars --no-quality --clock measured \
     "${sim_size[@]}" --out "$OUT/small/serve-measured"
-# 4. single-sequence and batch speed
+# 4. where a batched pass's time goes: the forward timed apart from the host work, then a profile per method
+# (BENCHMARKS.md, "GPU": how cuDNN's per-shape graph builds showed)
+step profile 35 env PYTHONPATH=".:$PYTHONPATH" $py scripts/gpu_profile.py --model "$model" "${profile_size[@]}" \
+    --out "$OUT/small/profile"
+# 5. single-sequence and batch speed
 step bench 50 $py -m mars_demo bench --model "$model" --prompts assets/data/heldout_varied32.json --taus 0.9 \
     --methods hf_generate,ar,mars,mars_exact,ar_batch_ours,mars_batch_token,exact_batch "${bench_size[@]}" \
     "${device[@]}" --out "$OUT/small/bench-eager.json"
-# 5. the compiled path (CUDA graphs)
+# 6. the compiled path (CUDA graphs)
 [ "${QUICK:-0}" = 1 ] || step compiled 90 $py -m mars_demo bench --model "$model" \
     --prompts assets/data/heldout_varied32.json --taus 0.9 --methods ar,mars,mars_exact "${bench_size[@]}" \
     --batch-sizes 1 --compile --out "$OUT/small/bench-compiled.json"
