@@ -38,13 +38,13 @@ def main() -> None:
     parser.add_argument("--precision", default="int8dyn", help="int8dyn here; auto on a GPU")
     parser.add_argument("--model", default=None, help="default: the bundled model")
     parser.add_argument("--torch-attention", action="store_true",
-                        help="a GPU's SDPA kernels as torch picks them, cuDNN's included (backends/hf.py)")
+                        help="on a GPU, SDPA's kernels as torch picks them, cuDNN's included (backends/hf.py)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, precision=args.precision)
-    if args.torch_attention:
-        lm.backend.sdpa = None
+    if args.torch_attention and lm.backend.device.type == "cuda":  # the backend switched cuDNN's SDPA off: back on
+        torch.backends.cuda.enable_cudnn_sdp(True)
     with open(args.prompts) as f:
         prompts = [prompt_ids(lm.tokenizer, text) for text in json.load(f)[: args.limit]]
     methods = args.methods.split(",")

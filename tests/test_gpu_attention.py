@@ -1,16 +1,26 @@
-"""Decode passes on a GPU leave cuDNN's attention out (backends/hf.py's docstring: it builds a graph per shape).
+"""Decoding on a GPU leaves cuDNN's attention out (backends/hf.py's docstring: it builds a graph per shape).
 
-The scope is torch's own SDPA switch, so it is checked here on the CPU: what the switch says inside a
-pass, and that a pass's numbers do not change under it.
+The switch is torch's own and process-wide, so it is checked here on the CPU: what a GPU device sets and
+what a CPU backend leaves alone.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from mars_demo.engine.backends.hf import DECODE_SDPA, TransformersBackend, decode_attention
+from mars_demo.engine.backends.hf import TransformersBackend, leave_out_cudnn_attention
 
 from conftest import make_lm
+
+
+@pytest.fixture
+def cudnn_switch():
+    """torch's cuDNN SDPA switch, on at the start (torch's default) and restored afterwards."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def kernels_on() -> dict[str, bool]:
@@ -21,33 +31,17 @@ def kernels_on() -> dict[str, bool]:
     }
 
 
-def test_the_scope_switches_off_cudnn_alone_on_a_gpu_and_restores_it():
+def test_a_gpu_device_switches_cudnn_attention_off_and_nothing_else(cudnn_switch):
     before = kernels_on()
-    assert before["cudnn"], "torch's default lets SDPA choose cuDNN"
-    with decode_attention(True):
-        assert kernels_on() == {"cudnn": False, "flash": True, "efficient": True, "math": True}
-    assert kernels_on() == before
-    with decode_attention(False):
-        assert kernels_on() == before  # not a GPU: torch's choice
-    with decode_attention(True, None):
-        assert kernels_on() == before  # kernels None: torch's choice (batch_turns.py --torch-attention)
+    leave_out_cudnn_attention(torch.device("cpu"))
+    assert kernels_on() == before  # not a GPU: torch's choice
+    leave_out_cudnn_attention(torch.device("cuda", 0))
+    assert kernels_on() == {**before, "cudnn": False}
 
 
-def test_a_gpu_backend_runs_its_passes_in_the_scope_and_the_numbers_stay():
+def test_a_cpu_backend_leaves_torchs_attention_as_it_was_and_decodes(cudnn_switch):
     lm = make_lm("llama")
-    seen: list[bool] = []
-    hook = lm.model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
-    ids = torch.tensor([[5, 6, 7, 8]])
-    try:
-        cpu = TransformersBackend(lm.model)
-        assert cpu.sdpa == DECODE_SDPA
-        plain = cpu.forward(ids, cpu.new_cache(), keep=4)
-        gpu = TransformersBackend(lm.model)
-        gpu._on_gpu = True  # a GPU backend's scope around the CPU's tensors: the CPU's SDPA obeys the same switch
-        scoped = gpu.forward(ids, gpu.new_cache(), keep=4)
-        gpu.sdpa = None
-        gpu.forward(ids, gpu.new_cache(), keep=4)
-    finally:
-        hook.remove()
-    assert seen == [True, False, True]  # CPU: torch's choice; GPU: cuDNN out; sdpa None: torch's choice
-    assert torch.equal(plain, scoped)
+    backend = TransformersBackend(lm.model)
+    assert kernels_on()["cudnn"]
+    logits = backend.forward(torch.tensor([[5, 6, 7, 8]]), backend.new_cache(), keep=4)
+    assert logits.shape[:2] == (1, 4) and torch.isfinite(logits).all()

@@ -43,7 +43,6 @@ from transformers import PreTrainedModel
 
 from .. import settings
 from ..engine.backends.cpu.backend import CpuBackend
-from ..engine.backends.hf import decode_attention
 from ..engine.decoding.batch import collect_batch, stream_batch_ids
 from ..engine.decoding.batch.rows import left_pad
 from ..engine.decoding.chat import pad_id, prompt_ids
@@ -183,7 +182,7 @@ def run_hf(
     for chunk in _chunks(prompts, batch_size):
         ids, attn = left_pad(chunk, pad)
         ids_t, attn_t = torch.tensor(ids, device=model.device), torch.tensor(attn, device=model.device)
-        with counting_forwards(model) as count, decode_attention(model.device.type == "cuda"):
+        with counting_forwards(model) as count:
             started = time.perf_counter()
             out = model.generate(
                 ids_t, attention_mask=attn_t, do_sample=False, max_new_tokens=max_new,

@@ -14,16 +14,15 @@ static cache's length is rounded up to ``STATIC_CACHE_STEP``: prompts of differe
 
 Attention on a GPU: torch's SDPA may pick cuDNN's kernel, which builds a graph for every new shape of
 its inputs. Decode passes change shape every pass (the cache grows; widths and rows vary), so each pass
-would wait for a build that takes longer than the pass's own work. Passes here leave cuDNN out
-(``decode_attention``); every other kernel stays as torch chooses (BENCHMARKS.md, "GPU").
+would wait for a build that takes longer than the pass's own work. A backend on a GPU therefore switches
+cuDNN's SDPA off for its process (``leave_out_cudnn_attention``: torch's switch is process-wide, so it is set
+once, not around each pass, where threads decoding side by side would undo each other's); every other kernel
+stays as torch chooses (BENCHMARKS.md, "GPU").
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from .base import Backend, KVCache, check_compaction, left_holes
@@ -31,7 +30,6 @@ from .placement import input_device
 
 STATIC_CACHE_STEP = 256  # a static cache's length is a multiple of this (one graph for many prompt lengths)
 RECOMPILE_LIMIT = 64  # graphs dynamo keeps for the forward: pass widths x cache lengths (its default, 8, is too few)
-DECODE_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)  # all but cuDNN's
 
 
 class HFCache(KVCache):
@@ -88,14 +86,11 @@ class HFCache(KVCache):
 
 class TransformersBackend(Backend):
     """``model``'s own forward; ``compiled``: a compiled forward for the steady decode passes (module docstring).
-
-    ``sdpa``: the SDPA kernels its passes may use on a GPU (``DECODE_SDPA``); None leaves torch's choice.
-    """
+    On a GPU it switches cuDNN's attention off for the process (module docstring)."""
 
     def __init__(self, model: PreTrainedModel, compute=None, compiled=None) -> None:
         self.model, self.compute, self.compiled = model, compute, compiled
-        self.sdpa: tuple[SDPBackend, ...] | None = DECODE_SDPA
-        self._on_gpu = input_device(model).type == "cuda"
+        leave_out_cudnn_attention(input_device(model))
 
     @property
     def device(self) -> torch.device:
@@ -110,18 +105,17 @@ class TransformersBackend(Backend):
     def forward(self, ids, cache, *, positions=None, mask=None, keep=1, steady=False):
         static = cache is not None and isinstance(cache.inner, StaticCache)
         call = self.compiled if steady and static else self.model
-        with decode_attention(self._on_gpu, self.sdpa):
-            out = call(
-                input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep,
-                past_key_values=None if cache is None else cache.inner, use_cache=cache is not None,
-            )
+        out = call(
+            input_ids=ids, attention_mask=mask, position_ids=positions,
+            past_key_values=None if cache is None else cache.inner, use_cache=cache is not None, logits_to_keep=keep,
+        )
         return out.logits
 
 
-def decode_attention(on_gpu: bool, kernels: tuple[SDPBackend, ...] | None = DECODE_SDPA):
-    """The scope decode passes run in: on a GPU only ``kernels`` (module docstring); elsewhere, or with
-    ``kernels`` None, the kernels torch chooses."""
-    return sdpa_kernel(list(kernels)) if on_gpu and kernels is not None else contextlib.nullcontext()
+def leave_out_cudnn_attention(device: torch.device) -> None:
+    """Where ``device`` is a GPU, SDPA without cuDNN's kernel from now on in this process (module docstring)."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def compile_passes(model: PreTrainedModel, *, backend: str = "inductor", mode: str | None = None, compute=None):
