@@ -77,8 +77,7 @@ def allocator() -> tuple[int, int]:
 
 def run(lm, prompts, method: str, tokens: int, clock: ForwardClock) -> list[dict]:
     """Decode ``prompts`` as one batch with ``method`` (mode[:tau]); one record per pass, with what else happened in
-    it: Python's full collections and the CUDA allocator's new segments (a GPU's passes came in two speeds:
-    NOTES item 1)."""
+    it: Python's full collections and the CUDA allocator's new segments."""
     mode, tau = (method.split(":") + ["1.0"])[:2]
     config = DecodeConfig(mode=mode, tau=float(tau), max_new_tokens=tokens)
     passes, before = [], (COLLECTIONS[2], *allocator())
@@ -140,8 +139,7 @@ def by_shape(timed: dict[str, list[dict]], surface) -> str:
     lines = ["rows width passes forward-ms (p10 p90) surface-ms"]
     for (rows, width), passes in sorted(by_rows_and_width(decoding(timed)).items()):
         price = f"{surface.ms(rows, width):10.2f}" if surface else "         -"
-        ms = sorted(p["forward_ms"] for p in passes)  # p10 and p90 beside the median: a GPU's passes came in two
-        # speeds (NOTES item 1)
+        ms = sorted(p["forward_ms"] for p in passes)  # p10 and p90: a shape's passes may come in two speeds
         spread = f"({ms[len(ms) // 10]:6.2f} {ms[9 * len(ms) // 10]:6.2f})"
         lines.append(f"{rows:4d} {width:5d} {len(ms):6d} {statistics.median(ms):10.2f} {spread} {price}")
     return "\n".join(lines)

@@ -46,8 +46,8 @@ def test_two_visitors_share_the_batch_and_tau_drops_while_both_run(browser, serv
         # before the first began in a CI run; this way the two overlap for most of the first one's passes
         # (MARS_DEMO_LIVE_PACE, test_browser.py)
         pages[0].click("#live-send")
-        started = time.monotonic() + 120
-        while not sample(pages[0])[1].startswith("Decoding") and time.monotonic() < started:
+        first_decodes_by = time.monotonic() + 120
+        while not sample(pages[0])[1].startswith("Decoding") and time.monotonic() < first_decodes_by:
             time.sleep(0.1)
         pages[1].click("#live-send")
         seen, deadline = [], time.monotonic() + 240
