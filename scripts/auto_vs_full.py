@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from mars_demo.engine.backends.cpu import paths
+from mars_demo.engine.backends.cpu import calibration, paths
 from mars_demo.engine.checkpoints.loading import load_model
 from mars_demo.engine.decoding.exact import decode_rate
 from mars_demo.engine.machine import cache_dir
@@ -39,8 +39,9 @@ def main() -> None:
     args = parser.parse_args()
     lm = load_model(None)  # fp32, no compute path
     widths = range(1, 2 * lm.meta.block_size + 1)
-    ranges = paths.smoothing_ranges(lm.model, lm.tokenizer, paths.model_key(lm.model), cache_dir())
-    candidates = paths._Candidates(lm.model, paths.token_ids(lm.tokenizer, paths.calibration_texts()), ranges)
+    ranges = calibration.smoothing_ranges(lm.model, lm.tokenizer, paths.model_key(lm.model), cache_dir())
+    texts = calibration.token_ids(lm.tokenizer, calibration.calibration_texts())
+    candidates = paths._Candidates(lm.model, texts, ranges)
     rows = []
     for _ in range(args.rounds):
         for prune in (True, False):

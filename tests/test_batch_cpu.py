@@ -12,7 +12,8 @@ import torch
 
 from mars_demo.engine.backends import CpuBackend
 from mars_demo.engine.backends.cpu.cache import CpuCache, moves_in_place
-from mars_demo.engine.backends.cpu.paths import convert, token_ids
+from mars_demo.engine.backends.cpu.calibration import token_ids
+from mars_demo.engine.backends.cpu.paths import convert
 from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_batch
 from mars_demo.engine.decoding.batch.rows import PaddedCache, fill_from_end
 from mars_demo.engine.decoding.batch.token import slide

@@ -119,11 +119,12 @@ def test_the_one_pass_conversion_equals_transformers_gguf_loader(tmp_path):
 
 def test_the_shipped_int8dyn_ranges_are_the_bundled_models_own(bundled, tiny_llama):
     """A first start reads int8dyn's calibration instead of measuring it: it must be what measuring gives."""
-    from mars_demo.engine.backends.cpu import paths
+    from mars_demo.engine.backends.cpu import calibration
+    from mars_demo.engine.backends.cpu.quant import activation_ranges
 
-    shipped = paths.shipped_ranges(bundled.model)
-    assert shipped is not None and paths.shipped_ranges(tiny_llama.model) is None
-    fresh = paths.activation_ranges(bundled.model, paths.token_ids(bundled.tokenizer, paths.smoothing_texts()))
+    shipped = calibration.shipped_ranges(bundled.model)
+    assert shipped is not None and calibration.shipped_ranges(tiny_llama.model) is None
+    fresh = activation_ranges(bundled.model, calibration.token_ids(bundled.tokenizer, calibration.smoothing_texts()))
     assert set(shipped) == set(fresh)
     assert all(torch.allclose(shipped[k], fresh[k], rtol=1e-4, atol=0) for k in fresh)  # float rounding apart
 

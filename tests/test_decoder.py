@@ -9,7 +9,8 @@ import torch
 from mars_demo.engine.backends import CpuBackend, backend_for
 from mars_demo.engine.backends.cpu import attention, int8gemm, lean, native_layers
 from mars_demo.engine.backends.cpu.cache import SLACK
-from mars_demo.engine.backends.cpu.paths import convert, token_ids
+from mars_demo.engine.backends.cpu.calibration import token_ids
+from mars_demo.engine.backends.cpu.paths import convert
 
 from conftest import PROMPTS, make_lm
 

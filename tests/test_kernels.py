@@ -12,17 +12,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from mars_demo.cli import main
 from mars_demo.engine import progress
 from mars_demo.engine.backends import backend_for
-from mars_demo.engine.backends.cpu import paths
+from mars_demo.engine.backends.cpu import calibration, paths
 from mars_demo.engine.backends.cpu.backend import CpuBackend
-from mars_demo.engine.backends.cpu.paths import (
-    activation_ranges,
-    cap_from_costs,
-    choose_path,
-    convert,
-    select,
-    token_ids,
-)
-from mars_demo.engine.backends.cpu.quant import FusedSlice, Int8Linear, RowInt8Linear, fold_smoothing
+from mars_demo.engine.backends.cpu.calibration import token_ids
+from mars_demo.engine.backends.cpu.paths import cap_from_costs, choose_path, convert, select
+from mars_demo.engine.backends.cpu.quant import FusedSlice, Int8Linear, RowInt8Linear, activation_ranges, fold_smoothing
 from mars_demo.engine.checkpoints.loading import ModelLoadError, default_precision, resolve_meta
 from mars_demo.engine.decoding.batch import collect_batch, generate_batch
 from mars_demo.engine.decoding.chat import prompt_ids
@@ -146,6 +140,27 @@ def test_auto_for_batches_picks_the_path_cheapest_at_the_batchs_rows(tmp_path, m
     assert select(one.model, one.tokenizer, "auto", block_size=4, table_dir=tmp_path / "one").path == "int8"
 
 
+@pytest.mark.parametrize("kept_share, measured", [(20.0, True), (1 / 20, False)])
+def test_a_kept_curve_that_load_slowed_is_measured_again(tmp_path, kept_share, measured):
+    lm = make_lm("llama")
+    select(lm.model, lm.tokenizer, "int8dyn", block_size=4, table_dir=tmp_path)
+    table_file = tmp_path / paths.TABLE_FILE
+    table = json.loads(table_file.read_text())
+    entry = next(iter(table.values()))["int8dyn"]
+    entry["costs_ms"] = kept = {int(w): ms * kept_share for w, ms in entry["costs_ms"].items()}
+    table_file.write_text(json.dumps(table))
+    again, stages = make_lm("llama"), []
+    with progress.listening(stages.append):
+        found = select(again.model, again.tokenizer, "int8dyn", block_size=4, table_dir=tmp_path)
+    kept_now = next(iter(json.loads(table_file.read_text()).values()))["int8dyn"]["costs_ms"]
+    assert found.cached and found.costs_ms == pytest.approx({int(w): ms for w, ms in kept_now.items()})
+    assert found.max_fed == cap_from_costs(found.costs_ms)
+    if measured:  # measured again, kept in the table, and said so
+        assert found.costs_ms[1] < kept[1] / 5 and any("pass costs again" in s for s in stages)
+    else:
+        assert found.costs_ms == pytest.approx(kept) and not any("again" in s for s in stages)
+
+
 def test_a_curve_takes_at_least_its_rounds_and_more_while_time_is_left(monkeypatch):
     lm = make_lm("llama")
     passes = []
@@ -208,8 +223,9 @@ def test_the_cost_table_is_cached_and_a_changed_key_measures_again(tmp_path, mon
 
     measured = len(calls)
     again = make_lm("llama")
+    monkeypatch.setattr(paths, "slowed", lambda kept, now: False)  # the kept curve's check: its own test
     second = select(again.model, again.tokenizer, "auto", block_size=4, table_dir=tmp_path)
-    assert len(calls) == measured and second.cached and second.path == first.path  # nothing measured
+    assert calls[measured:] == [range(1, 2)] and second.cached and second.path == first.path  # only the check
     # the model the survey converted (adopted) decodes as the cached path's conversion of a fresh copy
     prompt = [lm.tokenizer(PROMPTS[0]).input_ids]
     with torch.inference_mode():
@@ -273,8 +289,8 @@ def test_the_survey_measures_one_curve_where_the_likely_winner_dominates():
 
 def test_the_survey_reports_its_stages_and_the_calibration_is_cached(tmp_path, monkeypatch):
     stages, ranges = [], []
-    real = paths.activation_ranges
-    monkeypatch.setattr(paths, "activation_ranges", lambda *args: ranges.append(1) or real(*args))
+    real = calibration.activation_ranges
+    monkeypatch.setattr(calibration, "activation_ranges", lambda *args: ranges.append(1) or real(*args))
     lm = make_lm("qwen2")
     with progress.listening(stages.append):
         select(lm.model, lm.tokenizer, "auto", block_size=2, table_dir=tmp_path)

@@ -20,7 +20,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from mars_demo.engine.backends import CpuBackend, TransformersBackend, backend_for, cpu_engine_runs
 from mars_demo.engine.backends.cpu import attention, lean
 from mars_demo.engine.backends.cpu.cache import SLACK
-from mars_demo.engine.backends.cpu.paths import ComputePath, convert, token_ids
+from mars_demo.engine.backends.cpu.calibration import token_ids
+from mars_demo.engine.backends.cpu.paths import ComputePath, convert
 from mars_demo.engine.decoding import exact
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig

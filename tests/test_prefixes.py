@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mars_demo.engine.backends import CpuBackend
-from mars_demo.engine.backends.cpu.paths import convert, token_ids
+from mars_demo.engine.backends.cpu.calibration import token_ids
+from mars_demo.engine.backends.cpu.paths import convert
 from mars_demo.engine.backends.cpu.prefixes import MIN_SHARED, PrefixStore, shared_length
 from mars_demo.engine.decoding.batch import collect_batch, stream_batch_ids
 from mars_demo.engine.decoding.config import DecodeConfig

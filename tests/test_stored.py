@@ -14,7 +14,9 @@ from safetensors.torch import save_file
 
 from mars_demo.engine.backends import backend_for
 from mars_demo.engine.backends.cpu import int8gemm, native_layers, rowattn, stored
-from mars_demo.engine.backends.cpu.paths import activation_ranges, convert, token_ids
+from mars_demo.engine.backends.cpu.calibration import token_ids
+from mars_demo.engine.backends.cpu.paths import convert
+from mars_demo.engine.backends.cpu.quant import activation_ranges
 from mars_demo.engine.checkpoints import loading, warm
 
 from conftest import CORPUS, PROMPTS

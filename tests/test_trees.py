@@ -18,7 +18,8 @@ from transformers import DynamicCache
 
 from mars_demo.cli import main
 from mars_demo.engine.backends.cpu.cache import CpuCache
-from mars_demo.engine.backends.cpu.paths import convert, token_ids
+from mars_demo.engine.backends.cpu.calibration import token_ids
+from mars_demo.engine.backends.cpu.paths import convert
 from mars_demo.engine.backends.hf import HFCache
 from mars_demo.engine.decoding import exact, tree, tree_sampled
 from mars_demo.engine.decoding.batch import stream_batch

@@ -12,6 +12,8 @@ What must hold:
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import math
 import random
 import time
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from mars_demo.engine.decoding import exact
+from mars_demo.engine.decoding import surface as surface_module
 from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_batch
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
@@ -83,12 +86,63 @@ def test_a_damaged_record_is_refused_with_one_message():
         Surface.from_record({"rows": [1], "widths": [1]})
 
 
-def test_measured_surface_is_cached_by_key(tiny_llama, tmp_path):
+def test_measured_surface_is_cached_by_key(tiny_llama, tmp_path, monkeypatch):
     surface = measure(tiny_llama.backend, rows=(1, 2), widths=(1, 2), context=8, rounds=1)
     assert surface.rows == (1, 2) and all(x > 0 for line in surface.grid for x in line) and not surface.simulated
     first = cached_surface(tiny_llama.backend, "k", tmp_path)
-    again = cached_surface(tiny_llama.backend, "k", tmp_path)  # read back, not measured again
-    assert again.record() == first.record()
+    checked = []
+    monkeypatch.setattr(surface_module, "slowed", lambda kept, now: checked.append((kept, now)) or False)
+    again = cached_surface(tiny_llama.backend, "k", tmp_path)  # read back, checked, not measured again
+    assert again.record() == first.record() and len(checked) == 1 and checked[0][0] == again.ms(1, 1)
+
+
+class Loaded:
+    """A backend on a fake clock whose pass costs 1 + w/10 ms, three times that in the passes ``busy`` holds."""
+
+    def __init__(self, busy=range(0)):
+        self.now, self.passes, self.busy, self.device = 0.0, 0, busy, torch.device("cpu")
+        self.config = SimpleNamespace(vocab_size=64)
+
+    def new_cache(self):
+        return SimpleNamespace(crop=lambda columns: None)
+
+    def forward(self, ids, cache, *, positions=None, mask=None, keep=1):
+        self.now += (1.0 + ids.shape[1] / 10) * (3.0 if self.passes in self.busy else 1.0) / 1000
+        self.passes += 1
+        return torch.zeros(ids.shape[0], keep, 8)
+
+
+QUIET = [[1.1, 1.2, 1.4], [1.1, 1.2, 1.4]]  # Loaded's costs, ms by width 1, 2, 4 at rows 1 and 4
+
+
+def flat(grid):
+    return [x for line in grid for x in line]
+
+
+def test_a_row_count_measured_under_load_is_measured_again(monkeypatch):
+    # two prefills, then 7 rounds x 3 widths x 2 passes for 1 row (passes 2-43), then as many for 4 rows: loaded
+    backend = Loaded(busy=range(44, 86))
+    monkeypatch.setattr(time, "perf_counter", lambda: backend.now)
+    surface = measure(backend, rows=(1, 4), widths=(1, 2, 4), context=8, rounds=5)
+    assert flat(surface.grid) == pytest.approx(flat(QUIET))
+    monkeypatch.setattr(surface_module, "RECHECKS", 0)  # without the check, the load stays in the surface
+    backend = Loaded(busy=range(44, 86))
+    surface = measure(backend, rows=(1, 4), widths=(1, 2, 4), context=8, rounds=5)
+    assert surface.grid[1] == pytest.approx([3.3, 3.6, 4.2])
+
+
+@pytest.mark.parametrize("kept_share, measured", [(3.0, True), (1.0, False), (0.5, False)])
+def test_a_kept_surface_that_load_slowed_is_measured_again(monkeypatch, tmp_path, kept_share, measured):
+    backend = Loaded()
+    monkeypatch.setattr(time, "perf_counter", lambda: backend.now)
+    monkeypatch.setattr(surface_module, "measure", functools.partial(measure, rows=(1, 4), widths=(1, 2, 4), rounds=5))
+    kept = Surface((1, 4), (1, 2, 4), [[x * kept_share for x in line] for line in QUIET])
+    (tmp_path / surface_module.SURFACE_FILE).write_text(json.dumps({f"k|surface={surface_module.SURFACE_VERSION}":
+                                                                      kept.record()}))
+    found = cached_surface(backend, "k", tmp_path)
+    assert flat(found.grid) == pytest.approx(flat(QUIET if measured else kept.grid))
+    stored = json.loads((tmp_path / surface_module.SURFACE_FILE).read_text())
+    assert flat(Surface.from_record(next(iter(stored.values()))).grid) == pytest.approx(flat(found.grid))
 
 
 class AfterWide:

@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfi
 
 from .. import progress
 from ..backends.cpu import stored
-from ..backends.cpu.paths import ComputePath, from_table, model_key, ranges_file, shipped_ranges
+from ..backends.cpu.calibration import ranges_file, shipped_ranges
+from ..backends.cpu.paths import ComputePath, checked_curve, curve_widths, from_table, model_key, table_key
 from ..machine import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ def smoothing_inputs(model: PreTrainedModel) -> tuple[str, dict | None]:
 
 
 def known_ranges(inputs: tuple[str, dict | None]) -> dict | None:
-    """The ranges ``paths.smoothing_ranges`` reads or has read, without measuring: cached, else shipped, else None."""
+    """The ranges ``calibration.smoothing_ranges`` reads or has read, without measuring: cached, else shipped,
+    else None."""
     key, shipped = inputs
     try:
         return load_file(ranges_file(key, cache_dir()))
@@ -92,12 +94,14 @@ def load(
     if found is None or not found[0].is_file():
         return None
     file, ranges = found
+    key = table_key(model, curve_widths(block_size))  # the skeleton's, as the table has it
     progress.report(f"putting the model on {compute.path} (stored conversion)")
     try:
-        return stored.rebuild(model, compute.path, ranges, file), compute
+        model = stored.rebuild(model, compute.path, ranges, file)
     except (stored.StoredError, OSError, RuntimeError, ValueError, SafetensorError) as error:
         logger.warning("stored conversion %s unusable (%s): converting again", file.name, error)
         return None
+    return model, checked_curve(model, compute, key, curve_widths(block_size), cache_dir())
 
 
 def store(model: PreTrainedModel, compute: ComputePath, directory: str, inputs: tuple[str, dict | None]) -> None:

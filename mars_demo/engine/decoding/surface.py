@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..backends.base import Backend
-from ..machine import cache_dir
+from ..machine import cache_dir, slowed
 from .acceptance import greedy_confidence
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ SURFACE_VERSION = 5  # 2: the acceptance's cost included; 3: made monotone; 4: r
 HOLES = 8  # left holes per row step when measuring (rows 0, 8, 16, 24 holes, repeating)
 SURFACE_CONTEXT = 128  # cached tokens per row before a measured pass
 SURFACE_ROUNDS = 7  # rounds kept per point (after two warm-up rounds): the fastest is the pass alone
+RECHECKS = 2  # times a measurement's slowed row counts are measured again (measure)
 
 
 class Surface:
@@ -138,24 +139,46 @@ def measure(backend: Backend, *, rows: Sequence[int] = GRID_ROWS, widths: Sequen
     pass follows another: right after a wide pass (a 32-token one at 8 rows on a CPU) the next pass runs
     slower, which in a fixed order priced the narrow passes that came next as dear as wider ones
     (BENCHMARKS.md, "Many requests at once").
+
+    Load that lasts through a whole row count's rounds slows all of them. So once every row count is
+    measured, each one's one-token pass is timed again; a row count whose pass now takes less than
+    machine.LOADED of what it was measured at is measured again, at most RECHECKS times, each point keeping its
+    fastest measurement.
     """
     gen = torch.Generator().manual_seed(0)
-    vocab, device = backend.config.vocab_size, backend.device
-    grid = []
-    for r in rows:
-        ids = torch.randint(vocab // 4, vocab // 2, (r, context + max(widths)), generator=gen).to(device)
-        cache = backend.new_cache()
-        held = torch.ones(r, context, dtype=torch.long, device=device)
-        for row in range(1, r):  # rows of different lengths, as in a real batch: holes on the left
-            held[row, : HOLES * (row % 4)] = 0
-        backend.forward(ids[:, :context], cache, mask=held)
+    setups = {r: _Setup(backend, r, context, max(widths), gen) for r in rows}
+    lines = {r: setups[r].line(widths, rounds) for r in rows}
+    for _ in range(RECHECKS):
+        loaded = [r for r in rows if slowed(lines[r][0], setups[r].line((1,), rounds)[0])]
+        for r in loaded:
+            lines[r] = [min(a, b) for a, b in zip(lines[r], setups[r].line(widths, rounds))]
+        if not loaded:
+            break
+    return Surface(rows, widths, monotone([lines[r] for r in rows]))
+
+
+class _Setup:
+    """``rows`` rows holding ``context`` cached tokens (rows of different lengths, holes on the left, as in a real
+    batch), from which passes of up to ``widest`` tokens a row are timed (measure)."""
+
+    def __init__(self, backend: Backend, rows: int, context: int, widest: int, gen: torch.Generator) -> None:
+        vocab, device = backend.config.vocab_size, backend.device
+        self.backend = backend
+        self.ids = torch.randint(vocab // 4, vocab // 2, (rows, context + widest), generator=gen).to(device)
+        self.cache = backend.new_cache()
+        self.held = torch.ones(rows, context, dtype=torch.long, device=device)
+        for row in range(1, rows):
+            self.held[row, : HOLES * (row % 4)] = 0
+        backend.forward(self.ids[:, :context], self.cache, mask=self.held)
+
+    def line(self, widths: Sequence[int], rounds: int) -> list[float]:
+        """Ms of a pass by width: the fastest of ``rounds`` rounds (after two warm-up rounds), widths in turns."""
         seen: dict[int, list[float]] = {w: [] for w in widths}
-        for _ in range(rounds + 2):  # two warm-up rounds
+        for _ in range(rounds + 2):
             for w in widths:
-                _timed_pass(backend, ids, cache, held, 1)  # the pass before: a decoding pass's
-                seen[w].append(_timed_pass(backend, ids, cache, held, w))
-        grid.append([min(seen[w][2:]) * 1000 for w in widths])
-    return Surface(rows, widths, monotone(grid))
+                _timed_pass(self.backend, self.ids, self.cache, self.held, 1)  # the pass before: a decoding pass's
+                seen[w].append(_timed_pass(self.backend, self.ids, self.cache, self.held, w))
+        return [min(seen[w][2:]) * 1000 for w in widths]
 
 
 def _timed_pass(backend: Backend, ids: torch.Tensor, cache, held: torch.Tensor, width: int) -> float:
@@ -186,7 +209,12 @@ def monotone(grid: list[list[float]]) -> list[list[float]]:
 
 
 def cached_surface(backend: Backend, key: str, table_dir: Path) -> Surface:
-    """The surface of ``backend`` measured once per ``key`` (the compute path's cost-table key) and kept on disk."""
+    """The surface of ``backend`` measured once per ``key`` (the compute path's cost-table key) and kept on disk.
+
+    A kept surface is checked first: one row's one-token pass is timed, and where it now takes less than
+    machine.LOADED of the kept cost, other load slowed that measurement (a test suite or a second process on the
+    same cores), and every later batch would be priced on it, so the surface is measured again.
+    """
     path = table_dir / SURFACE_FILE
     full_key = f"{key}|surface={SURFACE_VERSION}"
     try:
@@ -195,9 +223,11 @@ def cached_surface(backend: Backend, key: str, table_dir: Path) -> Surface:
         table = {}
     if full_key in table:
         try:
-            return Surface.from_record(table[full_key])
+            kept = Surface.from_record(table[full_key])
         except ValueError:
-            pass  # a damaged entry is measured again
+            kept = None  # a damaged entry is measured again
+        if kept is not None and not slowed_by_load(backend, kept):
+            return kept
     surface = measure(backend)
     table[full_key] = surface.record()
     table_dir.mkdir(parents=True, exist_ok=True)
@@ -205,6 +235,16 @@ def cached_surface(backend: Backend, key: str, table_dir: Path) -> Surface:
     staging.write_text(json.dumps(table, indent=1) + "\n")
     staging.replace(path)
     return surface
+
+
+@torch.inference_mode()
+def slowed_by_load(backend: Backend, surface: Surface, *, context: int = SURFACE_CONTEXT,
+                   rounds: int = SURFACE_ROUNDS) -> bool:
+    """Whether one row's one-token pass now takes less than machine.LOADED of what ``surface`` says it costs."""
+    if surface.simulated or 1 not in surface.rows or 1 not in surface.widths:
+        return False
+    one_row = _Setup(backend, 1, context, 1, torch.Generator().manual_seed(0))
+    return slowed(surface.ms(1, 1), one_row.line((1,), rounds)[0])
 
 
 _SURFACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its surface, within this process

@@ -6,35 +6,34 @@ the MARS pass-width cap comes from the same curve (docs/METHOD.md, "CPU compute 
 only what can win: the likely winner first (``SURVEY_ORDER``), then each other path at one token, and
 only a path that this probe does not show slower at every width than one already measured gets its
 whole curve (``survey``, ``dominated``). The table is cached (keyed by CPU model, threads, library
-versions, model and the kernels built), and so is int8dyn's calibration. How each path converts a
-model, and why every non-fp32 path is row-exact, is quant.py.
+versions, model and the kernels built), and so is int8dyn's calibration (calibration.py); a cached curve
+that other load slowed is measured again (``checked_curve``). How each path converts a model, and why
+every non-fp32 path is row-exact, is quant.py.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .... import settings
 from ... import progress
-from ...machine import ASSETS, cpu_identity, cpu_model
+from ...machine import cpu_identity, cpu_model, slowed
 from .. import backend_for, cpu_engine_runs
 from . import int8gemm, native, native_layers, rowattn
-from .quant import PATHS, activation_ranges, convert, flushing_subnormals
+from .calibration import calibration_texts, smoothing_ranges, token_ids
+from .quant import PATHS, convert, flushing_subnormals
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +51,7 @@ MEASURE_SECONDS = 0.5  # a path's curve is measured for at least this long (pass
 MAX_ROUNDS = 60  # ... in at most this many rounds
 # auto never picks a path whose teacher-forced NLL on the calibration texts exceeds fp32's by more.
 DNLL_LIMIT = 0.03
-# Calibration: CALIBRATION_TEXT and the first rows of held-out chat answers (none trained on).
-CALIBRATION_FILE = ASSETS / "data" / "heldout_val64.jsonl"
-CALIBRATION_ROWS = 4
-# int8dyn's activation ranges (for smoothing) come from other held-out rows than the dNLL check's.
-SMOOTHING_ROWS = range(8, 16)
 TABLE_FILE = "compute-paths.json"
-SHIPPED_RANGES = ASSETS / "smollm2-135m-mars" / "int8dyn-ranges.safetensors"
-CALIBRATION_TEXT = (
-    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
-    "the members agreed to spend more on the library and the public parks, and less on new office "
-    "furniture. To learn a new language, practise a little every day, read simple books, listen to "
-    "native speakers and do not be afraid of mistakes. Water boils at one hundred degrees Celsius at sea "
-    "level; at higher altitudes it boils at a lower temperature because the air pressure is lower. "
-    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n"
-)
 
 
 def check_precision(value: str | None) -> str:
@@ -149,27 +134,6 @@ def monotone_curve(costs: dict[int, float]) -> dict[int, float]:
     costs more was slowed by other load (which only adds time) and the wider pass bounds it. Read curves too."""
     widths = sorted(costs)
     return {w: min(costs[v] for v in widths[i:]) for i, w in enumerate(widths)}
-
-
-def _held_out_texts(rows: range) -> list[str]:
-    if not CALIBRATION_FILE.is_file():
-        return []
-    lines = CALIBRATION_FILE.read_text().splitlines()
-    return [f"{row['prompt']}\n\n{row['response']}" for row in (json.loads(lines[i]) for i in rows if i < len(lines))]
-
-
-def calibration_texts() -> list[str]:
-    """The dNLL check's texts: CALIBRATION_TEXT and the first CALIBRATION_ROWS held-out answers."""
-    return [CALIBRATION_TEXT] + _held_out_texts(range(CALIBRATION_ROWS))
-
-
-def smoothing_texts() -> list[str]:
-    """int8dyn's activation-range texts: other held-out answers than the dNLL check's, if there are any."""
-    return _held_out_texts(SMOOTHING_ROWS) or [CALIBRATION_TEXT]
-
-
-def token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], limit: int = 256) -> list[torch.Tensor]:
-    return [tokenizer(text, return_tensors="pt").input_ids[:, :limit] for text in texts]
 
 
 def text_nll(model: PreTrainedModel, texts: list[torch.Tensor]) -> float:
@@ -340,48 +304,9 @@ def adopt(model: PreTrainedModel, converted: PreTrainedModel) -> None:
     model.config = converted.config
 
 
-def shipped_ranges(model: PreTrainedModel) -> dict | None:
-    """The bundled model's int8dyn activation ranges as shipped (``SHIPPED_RANGES``), or None for any other model.
-
-    The ranges are maxima of the fp32 model's activations on the smoothing texts, the same on every CPU up
-    to float rounding, so a first start need not measure them. The file names the merged model it was
-    measured on (its cache folder carries the adapter's digest) and its parameter count.
-    """
-    name = Path(getattr(model.config, "_name_or_path", "") or "").name
-    try:
-        with safe_open(SHIPPED_RANGES, "pt") as shipped:
-            meta = shipped.metadata() or {}
-            if meta.get("model") != name or meta.get("params") != str(sum(p.numel() for p in model.parameters())):
-                return None
-            names = shipped.keys()  # a safe_open handle, not a dict: no iteration of its own
-            return {name: shipped.get_tensor(name) for name in names}
-    except (OSError, ValueError, SafetensorError):
-        return None
-
-
-def ranges_file(key: str, where: Path) -> Path:
-    """Where ``smoothing_ranges`` caches the ranges it measured for a ``model_key``."""
-    return where / "smoothing" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
-
-
-def smoothing_ranges(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, key: str, where: Path) -> dict:
-    """int8dyn's activation ranges for ``model`` (fp32): measured before and cached, else shipped for the bundled
-    model, else measured once on the smoothing texts and cached."""
-    target = ranges_file(key, where)
-    try:
-        return load_file(target)
-    except (OSError, ValueError, SafetensorError):
-        ranges = shipped_ranges(model)
-    if ranges is not None:
-        return ranges
-    progress.report("calibrating int8dyn (activation ranges)")
-    with flushing_subnormals():
-        ranges = activation_ranges(model, token_ids(tokenizer, smoothing_texts()))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(target.name + f".tmp{os.getpid()}")
-    save_file({name: r.contiguous() for name, r in ranges.items()}, staging)
-    staging.replace(target)
-    return ranges
+def curve_widths(block_size: int) -> range:
+    """The widths a path's curve is measured at: up to two blocks."""
+    return range(1, 2 * max(block_size, 2) + 1)
 
 
 def from_table(
@@ -391,7 +316,7 @@ def from_table(
     """The path ``select`` would choose for ``model`` (fp32, or its skeleton on the meta device) from the cached
     table alone, or None where the table does not hold every path it needs."""
     precision = check_precision(precision)
-    widths, paths = range(1, 2 * max(block_size, 2) + 1), SURVEY_ORDER if precision == "auto" else (precision,)
+    widths, paths = curve_widths(block_size), SURVEY_ORDER if precision == "auto" else (precision,)
     entry = _read_table(table_dir / TABLE_FILE).get(table_key(model, widths), {})
     if not all(p in entry for p in paths) or (precision != "auto" and "dnll" not in entry[precision]):
         return None
@@ -424,7 +349,7 @@ def select(
     for its curve and cap. The table is cached in ``table_dir``/TABLE_FILE, int8dyn's calibration beside it.
     """
     precision = check_precision(precision)
-    widths = range(1, 2 * max(block_size, 2) + 1)
+    widths = curve_widths(block_size)
     paths = SURVEY_ORDER if precision == "auto" else (precision,)
     # int8dyn's calibration is fp32 work: on a first start it runs while the kernels still build
     ranges = smoothing_ranges(model, tokenizer, model_key(model), table_dir) if "int8dyn" in paths else {}
@@ -443,6 +368,24 @@ def select(
     progress.report(f"putting the model on {found.path}")
     if converted is not None:
         adopt(model, converted)
-    else:
-        convert(model, found.path, ranges=ranges)
-    return found
+        return found
+    key = table_key(model, widths)  # the fp32 model's, as the table has it
+    convert(model, found.path, ranges=ranges)
+    return checked_curve(model, found, key, widths, table_dir)
+
+
+def checked_curve(model: PreTrainedModel, found: ComputePath, key: str, widths: range,
+                  table_dir: Path) -> ComputePath:
+    """``found`` (read from the table, ``model`` on its path) with its curve checked: the one-token pass is timed,
+    and where it now takes less than machine.LOADED of the kept cost, other load slowed the curve's measurement
+    (a test suite or a second process on the same cores). Every later pass would be priced on it, so the path's
+    curve is measured again and kept; the choice of path stands."""
+    if not slowed(found.costs_ms[1], pass_costs(model, range(1, 2), seconds=0.0)[1]):
+        return found
+    progress.report(f"measuring {found.path}'s pass costs again (the kept ones were slowed by other load)")
+    costs = pass_costs(model, widths)
+    table = _read_table(table_dir / TABLE_FILE)
+    if found.path in table.get(key, {}):
+        table[key][found.path]["costs_ms"] = costs
+        _write_atomically(table_dir / TABLE_FILE, json.dumps(table, indent=1) + "\n")
+    return replace(found, costs_ms=costs, max_fed=cap_from_costs(costs))
