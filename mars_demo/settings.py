@@ -342,7 +342,7 @@ HALF_CACHE = _declare(
     "int8dyn's native decoder keeps keys and values as fp16 (llama.cpp's default): half the bytes each pass reads; "
     "off: fp32", "engine")
 INT8_CACHE = _declare(
-    "MARS_DEMO_INT8_CACHE", SWITCH, False,
+    "MARS_DEMO_INT8_CACHE", SWITCH, True,
     "int8dyn's native decoder keeps keys and values as int8 with a scale a head (a quarter of fp32's bytes); "
     "off: MARS_DEMO_HALF_CACHE's choice", "engine")
 PREFIXES = _declare(

@@ -34,8 +34,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from . import rowattn
 from .attention import MAX_ROWS, ROW_EXACT, ROW_EXACT_PREFILL, row_exact_attention, row_exact_prefill_attention
-from .cache import CpuCache
-from .cache import record_width
+from .cache import CpuCache, record_width
 from .native_layers import NativeLayers, cache_dtype
 
 ARCHITECTURES = ("llama", "qwen2")  # RMSNorm, RoPE, q/k/v/o attention and a gated SiLU MLP

@@ -330,6 +330,9 @@ int decoder(const Pass* pass, const Layer* layers, int64_t n_layers) {
 // Whether this build can keep the cache in halves (F16C).
 int64_t half_cache_supported() { return HALF_CACHE; }
 
+// n floats as the int8 record the cache gets (n + 4 bytes): tests hold cache.py's to_records to it.
+void int8_record(const float* x, int64_t n, int8_t* out) { to_record(out, x, n); }
+
 int64_t layout_Int8Weights(int64_t* out, int64_t room) {
   using S = Int8Weights;
   const int64_t fields[] = {FIELD(S, weight), FIELD(S, sums), FIELD(S, scale), FIELD(S, bias), FIELD(S, in),
