@@ -339,8 +339,12 @@ DECODER = _declare(
     "int8dyn's native decoder (a layer in one call); off: the torch layers around the kernels", "engine")
 HALF_CACHE = _declare(
     "MARS_DEMO_HALF_CACHE", SWITCH, True,
-    "int8dyn's native decoder keeps keys and values as fp16 (llama.cpp's default): half the bytes each pass reads; "
-    "off: fp32", "engine")
+    "with MARS_DEMO_INT8_CACHE off, int8dyn's native decoder keeps keys and values as fp16 (llama.cpp's default): "
+    "half the bytes each pass reads; off: fp32", "engine")
+INT8_CACHE = _declare(
+    "MARS_DEMO_INT8_CACHE", SWITCH, True,
+    "int8dyn's native decoder keeps keys and values as int8 with a scale a head (a quarter of fp32's bytes); "
+    "off: MARS_DEMO_HALF_CACHE's choice", "engine")
 PREFIXES = _declare(
     "MARS_DEMO_PREFIXES", SWITCH, True,
     "a prefill starts from the stored keys and values of a prompt prefix it shares (int8 paths: same bits); "

@@ -8,7 +8,7 @@ import torch
 
 from mars_demo.engine.backends import CpuBackend, backend_for
 from mars_demo.engine.backends.cpu import attention, int8gemm, lean, native_layers
-from mars_demo.engine.backends.cpu.cache import SLACK
+from mars_demo.engine.backends.cpu.cache import SLACK, CpuCache, from_records, record_width, to_records
 from mars_demo.engine.backends.cpu.calibration import token_ids
 from mars_demo.engine.backends.cpu.paths import convert
 
@@ -34,6 +34,20 @@ def int8dyn(arch: str, native: bool, monkeypatch):
     return lm
 
 
+@pytest.fixture
+def no_int8_cache(monkeypatch):
+    """An fp16 (or fp32) cache for a test that holds the native layers to the torch layers: they agree up to a
+    rounding, and an int8 record can turn such a rounding into a step of its scale (the int8 cache's own tests:
+    below)."""
+    from mars_demo import settings
+
+    monkeypatch.setenv(settings.INT8_CACHE.name, "0")
+    native_layers.int8_cache.cache_clear()
+    yield
+    monkeypatch.delenv(settings.INT8_CACHE.name)
+    native_layers.int8_cache.cache_clear()
+
+
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -54,7 +68,7 @@ def cached_passes(lm, kind: torch.dtype | None = None) -> list[torch.Tensor]:
     cache, out = backend.new_cache(), []
     if kind is not None:
         first = backend.lean.layers[0]
-        cache.open(torch.empty(1, first.kv_heads, 0, first.head_dim, dtype=kind), 0)
+        cache.open(torch.empty(1, first.kv_heads, 0, record_width(first.head_dim, kind), dtype=kind), 0)
     with torch.inference_mode():
         for fed in (prompt, [7], [8, mask, mask, mask], [9, 10]):
             out.append(backend.forward(torch.tensor([fed]), cache, keep=0))
@@ -62,15 +76,15 @@ def cached_passes(lm, kind: torch.dtype | None = None) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_native_layers_give_the_torch_layers_logits_and_cache_up_to_rounding(arch, monkeypatch):
+def test_the_native_layers_give_the_torch_layers_logits_and_cache_up_to_rounding(arch, monkeypatch, no_int8_cache):
     lm, calls = int8dyn(arch, True, monkeypatch), []
     layers = lm.backend.lean.native
     function = layers.function
     layers.function = lambda *a: calls.append(1) or function(*a)
     native = cached_passes(lm)
     assert len(calls) == 4  # every pass went through the native layers
-    kind = native[-1].dtype  # the cache's: fp16 where native_layers.half_cache()
-    assert kind == (torch.float16 if native_layers.half_cache() else torch.float32)
+    kind = native[-1].dtype  # the cache's: native_layers.cache_dtype
+    assert kind == native_layers.cache_dtype(torch.float32)
     for got, want in zip(native, cached_passes(int8dyn(arch, False, monkeypatch), kind), strict=True):
         if got.dtype == torch.float16:  # the same keys rounded to halves: a rounding apart at most
             torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=2e-3)
@@ -101,9 +115,10 @@ def test_a_rows_output_does_not_depend_on_the_rows_fed_beside_it(arch, monkeypat
         assert torch.equal(backend.forward(prompt, None, keep=0), a)
 
 
-def test_a_64_dim_key_groups_passes_agree_across_rows_and_instruction_sets(tmp_path, monkeypatch):
-    """Heads of 64 dims in groups of three over an fp16 cache: AVX-512 scores a group's heads together (each key
-    converted once), AVX2 one head at a time; a row's bits are the same either way and alone or among others."""
+def test_a_64_dim_key_groups_passes_agree_across_rows_and_instruction_sets(tmp_path, monkeypatch, cache_kind):
+    """Heads of 64 dims in groups of three over an fp16 cache or int8 records: AVX-512 scores a group's heads together
+    (each key converted once), AVX2 one head at a time; a row's bits are the same either way and alone or among
+    others."""
     import ctypes
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -111,7 +126,7 @@ def test_a_64_dim_key_groups_passes_agree_across_rows_and_instruction_sets(tmp_p
     from mars_demo.engine.backends.cpu import native
     from mars_demo.engine.checkpoints.loading import LoadedModel
 
-    if not native_layers.half_cache():
+    if not native_layers.half_cache() and cache_kind == "fp16":
         pytest.skip("this build keeps an fp32 cache")
     tiny = make_lm("llama")
     torch.manual_seed(0)
@@ -122,7 +137,7 @@ def test_a_64_dim_key_groups_passes_agree_across_rows_and_instruction_sets(tmp_p
     layers = lm.backend.lean.native
     assert layers is not None and layers.dim == 64 and layers.heads // layers.kv_heads == 3
     default = cached_passes(lm)
-    assert default[-1].dtype == torch.float16
+    assert default[-1].dtype == (torch.int8 if cache_kind == "int8" else torch.float16)
     prompt = torch.tensor([lm.tokenizer(" ".join(PROMPTS)).input_ids])
     with torch.inference_mode():  # four rows at once against one at a time, after the same prefill
         wide, narrow = lm.backend.new_cache(), lm.backend.new_cache()
@@ -174,7 +189,7 @@ def test_a_left_padded_batchs_rows_equal_each_sequence_alone(monkeypatch):
             assert torch.equal(backend.forward(fed[row : row + 1], own, keep=0), step[row : row + 1])
 
 
-def test_the_buffers_grow_crop_and_survive_a_reorder(monkeypatch):
+def test_the_buffers_grow_crop_and_survive_a_reorder(monkeypatch, no_int8_cache):
     """The native layers beside the torch layers on the same passes: growth past a buffer's room, crops (the
     next pass overwrites), then rows selected (formerly a DynamicCache's tensors replaced from outside: the
     engine's cache changes only through ``keep_rows``, new buffers the next pass must use)."""
@@ -183,9 +198,10 @@ def test_the_buffers_grow_crop_and_survive_a_reorder(monkeypatch):
     ids = torch.randint(10, 300, (1, SLACK + 40))  # past the first buffer's room
     with torch.inference_mode():
         caches = tuple(b.new_cache() for b in backends)
-        if native_layers.half_cache():  # the torch layers keep the dtype of the cache they find
+        kind = native_layers.cache_dtype(torch.float32)
+        if kind != torch.float32:  # the torch layers keep the dtype of the cache they find
             layer = plain.backend.lean.layers[0]
-            caches[1].open(torch.empty(1, layer.kv_heads, 0, layer.head_dim, dtype=torch.float16), 0)
+            caches[1].open(torch.empty(1, layer.kv_heads, 0, record_width(layer.head_dim, kind), dtype=kind), 0)
         first = None
         for start, stop in ((0, 30), (30, 200), (200, 230), (230, ids.shape[1])):
             got, want = (b.forward(ids[:, start:stop], c) for b, c in zip(backends, caches))
@@ -304,3 +320,86 @@ def test_the_rope_table_gives_the_rotary_modules_values():
     assert forward.rope_table[0].shape[0] >= lean.ROPE_TABLE_START + 8  # built for the largest position
     padded = torch.tensor([[-1, 0, 1]])  # a caller's padding positions: no row of the table, the module's values
     assert torch.equal(forward._rope(x, padded)[0], forward.rotary(x, position_ids=padded)[0])
+
+
+@pytest.fixture(params=["int8", "fp16"])
+def cache_kind(request, monkeypatch):
+    """The native layers' cache: int8 records (MARS_DEMO_INT8_CACHE), or fp16 where this build reads halves (else
+    fp32)."""
+    from mars_demo import settings
+
+    monkeypatch.setenv(settings.INT8_CACHE.name, "1" if request.param == "int8" else "0")
+    native_layers.int8_cache.cache_clear()
+    yield request.param
+    monkeypatch.delenv(settings.INT8_CACHE.name, raising=False)
+    native_layers.int8_cache.cache_clear()
+
+
+def test_int8_records_are_the_bits_the_native_layers_write():
+    import ctypes
+
+    from mars_demo.engine.backends.cpu import native
+
+    function = native.library(native.INCLUDED_IN.get("decoder", "decoder")).int8_record
+    function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], None
+    torch.manual_seed(0)
+    x = torch.randn(6, 64) * torch.tensor([[1e-3], [0.1], [1.0], [30.0], [0.0], [1.0]])
+    x[5, :8] = torch.tensor([127.0, -127.0, 0.5, 1.5, -2.5, 63.5, -0.5, 126.5])  # ties: x / scale at .5 exactly
+    want = to_records(x)
+    assert want.shape == (6, 68) and want.dtype == torch.int8
+    for row, record in zip(x, want):
+        got = torch.empty(68, dtype=torch.int8)
+        function(row.contiguous().data_ptr(), 64, got.data_ptr())
+        assert torch.equal(got, record)
+    back = from_records(want)
+    assert torch.equal(back[4], torch.zeros(64))  # an all-zero head: scale 0, values 0
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((back - x).abs() <= step / 2 * (1 + 1e-6)).all()  # within half a step of the head's scale
+    assert torch.equal(want[5, :8], torch.tensor([127, -127, 0, 2, -2, 64, 0, 126], dtype=torch.int8))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_cache_kind_keeps_a_rows_bits_its_own(arch, cache_kind, monkeypatch):
+    """The row-independence checks above, on each kind of cache; an int8 cache holds records of head dim + 4."""
+    test_a_rows_output_does_not_depend_on_the_rows_fed_beside_it(arch, monkeypatch)
+    if arch == "qwen2":
+        test_a_left_padded_batchs_rows_equal_each_sequence_alone(monkeypatch)
+    lm = int8dyn(arch, True, monkeypatch)
+    cache = lm.backend.new_cache()
+    with torch.inference_mode():
+        lm.backend.forward(torch.tensor([[5, 6, 7]]), cache)
+    keys, dim = cache.buffers[0][0], lm.backend.lean.native.dim
+    assert (keys.dtype, keys.shape[-1]) == ((torch.int8, dim + 4) if cache_kind == "int8" else (keys.dtype, dim))
+    assert keys.dtype != torch.int8 or cache_kind == "int8"
+
+
+@pytest.mark.parametrize("cache_kind", ["int8"], indirect=True)
+def test_an_int8_cache_grows_crops_and_reorders_as_its_rows_alone(monkeypatch, cache_kind):
+    """Growth past a buffer's room, crops and a reorder on int8 records: a repeated row decodes as the row alone
+    (the fp16 cache: test_the_buffers_grow_crop_and_survive_a_reorder)."""
+    backend = int8dyn("llama", True, monkeypatch).backend
+    ids = torch.randint(10, 300, (1, SLACK + 40))
+    with torch.inference_mode():
+        batch, alone = backend.new_cache(), backend.new_cache()
+        for start, stop in ((0, 30), (30, 200), (200, 230), (230, ids.shape[1])):
+            for cache in (batch, alone):
+                backend.forward(ids[:, start:stop], cache)
+                cache.crop(3)
+        assert batch.buffers[0][0].dtype == torch.int8 and batch.get_seq_length() == ids.shape[1] - 12
+        batch.keep_rows(torch.tensor([0, 0]))
+        both = backend.forward(torch.tensor([[5], [5]]), batch)
+        assert torch.equal(both[0], both[1]) and torch.equal(both[:1], backend.forward(torch.tensor([[5]]), alone))
+
+
+def test_the_torch_layers_write_and_read_int8_records():
+    """What a prefill too long for the native layers does with an int8 cache: records written, floats read back."""
+    cache = CpuCache(1)
+    torch.manual_seed(1)
+    keys, values = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 5, 16)
+    cache.open(torch.empty(2, 3, 0, record_width(16, torch.int8), dtype=torch.int8), 5)
+    k, v = cache.write(0, keys, values)
+    assert torch.equal(cache.buffers[0][0][:, :, :5], to_records(keys))
+    assert torch.equal(k, from_records(to_records(keys))) and torch.equal(v, from_records(to_records(values)))
+    cache.open(torch.empty(2, 3, 0, 20, dtype=torch.int8), 1)  # a stored prefix's records go in as they are
+    cache.put(0, to_records(keys[:, :, :1]), to_records(values[:, :, :1]))
+    assert torch.equal(cache.buffers[0][1][:, :, 5:6], to_records(values[:, :, :1]))

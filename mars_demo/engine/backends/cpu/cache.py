@@ -15,6 +15,26 @@ import torch
 from ..base import KVCache, check_compaction
 
 SLACK = 256  # columns a buffer is allocated beyond what it holds (and at least half as many again)
+SCALE_BYTES = 4  # an int8 record's fp32 scale, after its values
+
+
+def to_records(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` (..., d) as int8 records (..., d + 4): x / scale rounded half to even, scale = max |x| / 127, then
+    the scale's bytes; the bits decoder.cpp writes (lanes.h, ``to_record``)."""
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(x / scale), 0.0).clamp(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def from_records(records: torch.Tensor) -> torch.Tensor:
+    """int8 records (..., d + 4) as fp32 (..., d): each value times its record's scale."""
+    scale = records[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+    return records[..., :-SCALE_BYTES].to(torch.float32) * scale
+
+
+def record_width(dim: int, dtype: torch.dtype) -> int:
+    """A cache column's last dim for a head of ``dim`` values stored as ``dtype``."""
+    return dim + SCALE_BYTES if dtype == torch.int8 else dim
 
 
 def _with_room(held: torch.Tensor, columns: int) -> torch.Tensor:
@@ -73,12 +93,21 @@ class CpuCache(KVCache):
         self.start, self.end = start, end
         return start
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Put a layer's keys and values of the open pass in place; the layer's whole cache (views)."""
+    def put(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A layer's columns of the open pass, as the buffers hold them (a stored prefix's), put in place."""
         k, v = self.buffers[layer]
         k[:, :, self.start : self.end].copy_(keys)
         v[:, :, self.start : self.end].copy_(values)
-        return k[:, :, : self.end], v[:, :, : self.end]
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put a layer's keys and values of the open pass in place (as int8 records where the buffers hold those);
+        the layer's whole cache (views, or fp32 copies of int8 records)."""
+        k, v = self.buffers[layer]
+        if k.dtype != torch.int8:
+            self.put(layer, keys, values)
+            return k[:, :, : self.end], v[:, :, : self.end]
+        self.put(layer, to_records(keys.float()), to_records(values.float()))
+        return from_records(k[:, :, : self.end]), from_records(v[:, :, : self.end])
 
     def keep_rows(self, index: torch.Tensor) -> None:
         """In place where rows only move into slots already vacated (``moves_in_place``): a leaving row costs the

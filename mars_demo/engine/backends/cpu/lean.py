@@ -34,8 +34,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from . import rowattn
 from .attention import MAX_ROWS, ROW_EXACT, ROW_EXACT_PREFILL, row_exact_attention, row_exact_prefill_attention
-from .cache import CpuCache
-from .native_layers import NativeLayers, half_cache
+from .cache import CpuCache, record_width
+from .native_layers import NativeLayers, cache_dtype
 
 ARCHITECTURES = ("llama", "qwen2")  # RMSNorm, RoPE, q/k/v/o attention and a gated SiLU MLP
 # The attention functions by name: transformers' own two, and the row-exact ones (attention.py)
@@ -255,8 +255,9 @@ class LeanForward:
         cos, sin = cos.unsqueeze(2), _negate_first_half(sin).unsqueeze(2)
         store = None
         if cache is not None:
-            first, kind = self.layers[0], cache.dtype or x.dtype  # a cache the native layers filled keeps fp16
-            cache.open(x.new_empty(x.shape[0], first.kv_heads, 0, first.head_dim, dtype=kind), x.shape[1])
+            first, kind = self.layers[0], cache.dtype or x.dtype  # a cache the native layers filled keeps its kind
+            width = record_width(first.head_dim, kind)
+            cache.open(x.new_empty(x.shape[0], first.kv_heads, 0, width, dtype=kind), x.shape[1])
             store = cache.write
         for layer in self.layers:
             x = x + self._attention(layer, _norm(x, layer.norm1, layer.eps1), cos, sin, half, mask, store)
@@ -282,9 +283,9 @@ class LeanForward:
         self, cache: CpuCache | None, x: torch.Tensor, cos, sin, mask: rowattn.Visible | None, final=None,
     ):
         batch, rows = x.shape[:2]
-        # what the cache keeps: fp16 where native_layers.half_cache(), unless it already holds columns of another kind
-        kind = (cache.dtype if cache is not None else None) or (torch.float16 if half_cache() else x.dtype)
-        like = x.new_empty(batch, self.native.kv_heads, 0, self.native.dim, dtype=kind)
+        # what the cache keeps: native_layers.cache_dtype, unless it already holds columns of another kind
+        kind = (cache.dtype if cache is not None else None) or cache_dtype(x.dtype)
+        like = x.new_empty(batch, self.native.kv_heads, 0, record_width(self.native.dim, kind), dtype=kind)
         if cache is not None:
             start, buffers, memo = cache.open(like, rows), cache.buffers, cache.native_memo
         else:  # no cache: this pass's keys and values only
@@ -320,6 +321,6 @@ class LeanForward:
         v = v.unflatten(-1, (kv_heads, d)).transpose(1, 2)
         if store is not None:
             k, v = store(layer.index, k, v)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # no copy unless the cache keeps fp16 (native_layers.half_cache)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # no copy unless the cache keeps fp16 (int8 records come as fp32)
         out, _ = self.attend(layer.attention, q, k, v, mask, dropout=0.0, scaling=layer.attention.scaling)
         return layer.o(out.reshape(batch, n, -1))

@@ -50,14 +50,16 @@ class _Pass(ctypes.Structure):
     _fields_ = [
         ("x", _P), ("batch", _I), ("rows", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("dim", _I),
         ("cos", _P), ("sin", _P), ("rope_batch_stride", _I),
-        ("keys", ctypes.POINTER(_P)), ("values", ctypes.POINTER(_P)), ("half_cache", _I),
-        ("cache_batch_stride", _I), ("cache_head_stride", _I), ("start", _I), ("ranges", _P), ("offsets", _P),
+        ("keys", ctypes.POINTER(_P)), ("values", ctypes.POINTER(_P)), ("cache_kind", _I),
+        ("cache_batch_stride", _I), ("cache_head_stride", _I), ("cache_key_stride", _I), ("start", _I),
+        ("ranges", _P), ("offsets", _P),
         ("scale", _F), ("inverse", _F), ("threads", _I), ("attention_threads", _I), ("live", _P), ("n_live", _I),
         ("final_norm", _P), ("final_eps", _F),
     ]
 
 
 STRUCTS = {"Int8Weights": _Int8Weights, "Layer": _Layer, "Pass": _Pass}  # decoder.cpp's name: its ctypes copy
+CACHE_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}  # decoder.cpp's CacheKind
 
 
 @cache
@@ -79,6 +81,18 @@ def half_cache() -> bool:
     supported = native.library(native.INCLUDED_IN.get("decoder", "decoder")).half_cache_supported
     supported.restype = ctypes.c_int64
     return bool(supported())
+
+
+@cache
+def int8_cache() -> bool:
+    """Whether the native layers keep keys and values as int8 records (cache.py, ``to_records``): switched on
+    (MARS_DEMO_INT8_CACHE) and the native layers running."""
+    return kernel() is not None and settings.INT8_CACHE.read()
+
+
+def cache_dtype(default: torch.dtype) -> torch.dtype:
+    """What a new cache of the native layers holds: int8 records, fp16, or ``default``."""
+    return torch.int8 if int8_cache() else torch.float16 if half_cache() else default
 
 
 def _int8_weights(gemm) -> int8gemm.Weights | None:
@@ -177,8 +191,9 @@ class NativeLayers:
         """The decoder layers over ``x`` (batch, rows, hidden) fp32: a new tensor.
 
         cos / sin: (batch or 1, rows, head dim), sin's first half negated (lean.py's tables).
-        buffers: per layer (keys, values), (batch, kv heads, room, head dim) with the head dim contiguous, fp32 or
-        fp16 (``half_cache``), holding ``start`` cached columns: the pass's keys and values are written at
+        buffers: per layer (keys, values), (batch, kv heads, room, head dim) with the head dim contiguous, fp32,
+        fp16 (``half_cache``) or int8 records (``int8_cache``: the head dim and 4 bytes of scale), holding ``start``
+        cached columns: the pass's keys and values are written at
         start .. start + rows.
         visible: rowattn.Visible for a masked pass, None for a causal one over the cache. The rows it finds fed
         no token (``Visible.live``) are left out of all but the attention: their outputs are not to be read.
@@ -196,8 +211,8 @@ class NativeLayers:
         run = _Pass(
             x.data_ptr(), batch, rows, self.hidden, self.heads, self.kv_heads, self.dim,
             cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else rows * self.dim, keys, values,
-            buffers[0][0].dtype == torch.float16,
-            stride[0], stride[1], start, ranges, offsets, self.scale, int8gemm.INVERSE_STEP,
+            CACHE_KINDS[buffers[0][0].dtype],
+            stride[0], stride[1], stride[2], start, ranges, offsets, self.scale, int8gemm.INVERSE_STEP,
             torch.get_num_threads(), rowattn.threads(visible, batch, rows, start + rows, self.heads),
             None if live is None else live.data_ptr(), 0 if live is None else live.numel(),
             None if final_norm is None else final_norm[0].data_ptr(), 0.0 if final_norm is None else final_norm[1],

@@ -203,7 +203,7 @@ def table_key(model: PreTrainedModel, widths: range) -> str:
         model_key(model), f"widths={widths.stop - 1}", f"lean={cpu_engine_runs(model)}",
         f"rowattn={rowattn.kernel() is not None}", f"int8gemm={int8gemm.kernel() is not None}",
         f"decoder={native_layers.kernel() is not None}", f"half_cache={native_layers.half_cache()}",
-    ])
+    ] + (["int8_cache=True"] if native_layers.int8_cache() else []))
 
 
 def _read_table(path: Path) -> dict:

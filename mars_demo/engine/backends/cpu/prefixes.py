@@ -66,7 +66,7 @@ class PrefixStore:
         n = len(rows)
         cache.open(layers[0][0].expand(n, -1, -1, -1), use)
         for layer, (keys, values) in enumerate(layers):
-            cache.write(layer, keys[:, :, :use].expand(n, -1, -1, -1), values[:, :, :use].expand(n, -1, -1, -1))
+            cache.put(layer, keys[:, :, :use].expand(n, -1, -1, -1), values[:, :, :use].expand(n, -1, -1, -1))
         return use
 
     def learn(self, ids: torch.Tensor, cache: CpuCache) -> None:

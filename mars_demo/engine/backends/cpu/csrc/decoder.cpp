@@ -51,10 +51,10 @@ struct Pass {
   const float* cos;  // (batch or 1, rows, dim)
   const float* sin;  // the same, its first half negated
   int64_t rope_batch_stride;  // 0 when one table serves every sequence
-  void* const* keys;  // per layer: (batch, kv heads, room, dim) buffers of floats, or of halves (half_cache)
+  void* const* keys;  // per layer: (batch, kv heads, room, record) buffers of floats, halves or int8 records
   void* const* values;
-  int64_t half_cache;  // 1: the cache holds IEEE fp16 (lanes.h), 0: floats
-  int64_t cache_batch_stride, cache_head_stride;  // in elements, the same in every layer
+  int64_t cache_kind;  // FLOATS, HALVES (IEEE fp16) or RECORDS (int8 with their scale): lanes.h
+  int64_t cache_batch_stride, cache_head_stride, cache_key_stride;  // in elements, the same in every layer
   int64_t start;  // keys held before this pass
   const int64_t* ranges;  // visible keys as in row_attention.cpp, or null: causal
   const int64_t* offsets;
@@ -80,10 +80,13 @@ void rms_norm_row(const float* x, int64_t n, const float* weight, float eps, flo
   for (k = 0; k < n; k++) out[k] = weight[k] * (x[k] * inv);
 }
 
-// A row's keys or values (d floats) into the cache: as they are, or rounded to halves.
+enum CacheKind : int64_t { FLOATS = 0, HALVES = 1, INT8_RECORDS = 2 };
+
+// A row's keys or values (d floats) into the cache: as they are, rounded to halves, or as an int8 record.
 inline void store(const Pass& p, void* buffer, int64_t at, const float* x, int64_t d) {
+  if (p.cache_kind == INT8_RECORDS) return to_record((int8_t*)buffer + at, x, d);
 #if HALF_CACHE
-  if (p.half_cache) return to_halves((Half*)buffer + at, x, d);
+  if (p.cache_kind == HALVES) return to_halves((Half*)buffer + at, x, d);
 #endif
   memcpy((float*)buffer + at, x, d * sizeof(float));
 }
@@ -104,7 +107,7 @@ void rope_and_store_row(const Pass& p, int64_t r, float* qkv, int64_t width, voi
     }
   }
   for (int64_t g = 0; g < p.kv_heads; g++) {
-    const int64_t at = b * p.cache_batch_stride + g * p.cache_head_stride + (p.start + i) * d;
+    const int64_t at = b * p.cache_batch_stride + g * p.cache_head_stride + (p.start + i) * p.cache_key_stride;
     store(p, keys, at, row + (p.heads + g) * d, d);
     store(p, values, at, row + (rotated + g) * d, d);
   }
@@ -141,8 +144,8 @@ void silu_times_up(const float* gate_up, int64_t n, float* act, int64_t from, in
 template <typename KV>
 CallOf<KV> attention_call(const Pass& p, int64_t l, const float* wide, int64_t width, float* out) {
   return {wide, p.rows * width, p.dim, width,
-          (const KV*)p.keys[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
-          (const KV*)p.values[l], p.cache_batch_stride, p.cache_head_stride, p.dim,
+          (const KV*)p.keys[l], p.cache_batch_stride, p.cache_head_stride, p.cache_key_stride,
+          (const KV*)p.values[l], p.cache_batch_stride, p.cache_head_stride, p.cache_key_stride,
           out, p.batch, p.heads, p.kv_heads, p.rows, p.start + p.rows, p.dim, p.ranges, p.offsets, p.scale};
 }
 
@@ -211,8 +214,13 @@ int run_part(const Pass& p, const Layer* layers, int64_t n_layers, const Share& 
     const Share attending{me.t, p.attention_threads < me.team ? p.attention_threads : me.team};
     if (me.t < attending.team) {
       int64_t from, to;
+      if (p.cache_kind == INT8_RECORDS) {
+        const CallOf<int8_t> c = attention_call<int8_t>(p, l, rect, L.qkv.out, act);
+        unit_share(&c, me.t, attending.team, &from, &to);
+        failed |= run_units(&c, from, to);
+      } else
 #if HALF_CACHE
-      if (p.half_cache) {
+      if (p.cache_kind == HALVES) {
         const CallOf<Half> c = attention_call<Half>(p, l, rect, L.qkv.out, act);
         unit_share(&c, me.t, attending.team, &from, &to);
         failed |= run_units(&c, from, to);
@@ -315,12 +323,15 @@ extern "C" {
 
 // The decoder layers of one pass over x (pass.x, in place). Returns 0, or 1 when out of memory.
 int decoder(const Pass* pass, const Layer* layers, int64_t n_layers) {
-  if (pass->half_cache && !HALF_CACHE) return 2;  // this build cannot read halves (no F16C)
+  if (pass->cache_kind == HALVES && !HALF_CACHE) return 2;  // this build cannot read halves (no F16C)
   return run(*pass, layers, n_layers);
 }
 
 // Whether this build can keep the cache in halves (F16C).
 int64_t half_cache_supported() { return HALF_CACHE; }
+
+// n floats as the int8 record the cache gets (n + 4 bytes): tests hold cache.py's to_records to it.
+void int8_record(const float* x, int64_t n, int8_t* out) { to_record(out, x, n); }
 
 int64_t layout_Int8Weights(int64_t* out, int64_t room) {
   using S = Int8Weights;
@@ -341,7 +352,8 @@ int64_t layout_Pass(int64_t* out, int64_t room) {
   const int64_t fields[] = {
       FIELD(S, x), FIELD(S, batch), FIELD(S, rows), FIELD(S, hidden), FIELD(S, heads), FIELD(S, kv_heads),
       FIELD(S, dim), FIELD(S, cos), FIELD(S, sin), FIELD(S, rope_batch_stride), FIELD(S, keys), FIELD(S, values),
-      FIELD(S, half_cache), FIELD(S, cache_batch_stride), FIELD(S, cache_head_stride), FIELD(S, start), FIELD(S, ranges),
+      FIELD(S, cache_kind), FIELD(S, cache_batch_stride), FIELD(S, cache_head_stride), FIELD(S, cache_key_stride),
+      FIELD(S, start), FIELD(S, ranges),
       FIELD(S, offsets), FIELD(S, scale), FIELD(S, inverse), FIELD(S, threads), FIELD(S, attention_threads),
       FIELD(S, live), FIELD(S, n_live), FIELD(S, final_norm), FIELD(S, final_eps)};
   return write_layout(sizeof(S), fields, out, room);

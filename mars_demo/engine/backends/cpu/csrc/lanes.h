@@ -1,6 +1,7 @@
 // Vector helpers of the native kernels (row_attention.cpp, decoder.cpp, greedy.cpp): GCC vector
 // types of 8 floats, sums in fixed orders, and Cephes' expf polynomial at any vector width.
 #pragma once
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX__)
@@ -108,6 +109,45 @@ static inline void to_halves(Half* out, const float* x, int64_t n) {
 #else
 #define HALF_CACHE 0
 #endif
+
+// Keys and values stored as int8 records (MARS_DEMO_INT8_CACHE): a head's d values rounded to int8 at the
+// scale that puts its largest magnitude at 127, then that fp32 scale's 4 bytes. Converting an int8 to a
+// float is exact; the record's scale multiplies a key's whole score and a value's whole weight
+// (row_attention.cpp), so a row's arithmetic stays its own, bit for bit.
+static inline float to_float(int8_t x) { return (float)x; }
+static inline v8f load8(const int8_t* p) {
+#if defined(__AVX2__)
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  return v8f{(float)p[0], (float)p[1], (float)p[2], (float)p[3], (float)p[4], (float)p[5], (float)p[6], (float)p[7]};
+#endif
+}
+static inline vv load_lanes(const int8_t* p) {
+#if VALUE_LANES == 16
+  return (vv)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  return (vv)load8(p);
+#endif
+}
+// A record's scale: the 4 bytes after its d values.
+static inline float record_scale(const int8_t* record, int64_t d) {
+  float s;
+  memcpy(&s, record + d, sizeof(s));
+  return s;
+}
+// n floats into a record: x / scale rounded half to even (the default rounding mode), within +-127. lean.py's
+// torch layers write the same bits (cache.py, ``to_records``).
+static inline void to_record(int8_t* out, const float* x, int64_t n) {
+  float top = 0.0f;
+  for (int64_t k = 0; k < n; k++) top = fabsf(x[k]) > top ? fabsf(x[k]) : top;
+  const float scale = top / 127.0f;
+  for (int64_t k = 0; k < n; k++) {
+    float q = scale > 0.0f ? nearbyintf(x[k] / scale) : 0.0f;
+    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+    out[k] = (int8_t)q;
+  }
+  memcpy(out + n, &scale, sizeof(scale));
+}
 
 // exp(x) for x <= 0 (scores minus their maximum), Cephes' expf polynomial, a vector at a time: F is
 // a float vector and I the int32 vector of its width. Lane by lane, so the width changes no bits.

@@ -22,7 +22,8 @@
 
 #include "lanes.h"
 
-// KV: how the keys and values are stored: float, or Half (IEEE fp16, read as floats: lanes.h)
+// KV: how the keys and values are stored: float, Half (IEEE fp16, read as floats: lanes.h), or int8_t
+// (records of d int8 values and their fp32 scale: lanes.h; a key's stride counts the scale's 4 bytes)
 template <typename KV>
 struct CallOf {
   const float* q; int64_t qb, qh, qr;   // query (batch, heads, rows, dim): strides in elements, dim contiguous
@@ -42,8 +43,25 @@ struct CallOf {
 // the value pass finds its values in L1 or L2.
 constexpr int64_t AHEAD = 32;
 template <typename KV>
+constexpr bool RECORDS = std::is_same<KV, int8_t>::value;  // int8 records: scaled by their last 4 bytes
+
+// A record's scale, 1 for floats and halves (not applied to them: their bits stay as they were).
+template <typename KV>
+static inline float scale_of(const KV* record, int64_t d) {
+  if constexpr (RECORDS<KV>) return record_scale(record, d);
+  return 1.0f;
+}
+
+// The scales of eight keys' records, as a vector.
+template <typename KV>
+static inline v8f scales8(const KV* const* kj, int64_t d) {
+  return v8f{scale_of(kj[0], d), scale_of(kj[1], d), scale_of(kj[2], d), scale_of(kj[3], d),
+             scale_of(kj[4], d), scale_of(kj[5], d), scale_of(kj[6], d), scale_of(kj[7], d)};
+}
+
+template <typename KV>
 static inline void fetch_keys(const KV* const* k, const KV* const* v, int64_t d) {
-  const int64_t bytes = d * (int64_t)sizeof(KV);
+  const int64_t bytes = d * (int64_t)sizeof(KV) + (RECORDS<KV> ? 4 : 0);
   for (int u = 0; u < 8; u++)
     for (int64_t at = 0; at < bytes; at += 64) {
       __builtin_prefetch((const char*)k[u] + at);
@@ -79,10 +97,14 @@ static inline void score_block(const float* const* qs, const KV* const* kj, floa
       for (int h = 0; h < NH; h++) acc[h][u] = fma8(qt[h], k, acc[h][u]);
     }
   }
+  v8f keys = splat(1.0f);
+  if constexpr (RECORDS<KV>) keys = scales8(kj, D8 * 8);
 #pragma GCC unroll 8
-  for (int h = 0; h < NH; h++)
-    store8(outs[h], sums8(acc[h][0], acc[h][1], acc[h][2], acc[h][3], acc[h][4], acc[h][5], acc[h][6], acc[h][7]) *
-                        scale);
+  for (int h = 0; h < NH; h++) {
+    v8f sums = sums8(acc[h][0], acc[h][1], acc[h][2], acc[h][3], acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
+    if constexpr (RECORDS<KV>) sums = sums * keys;
+    store8(outs[h], sums * scale);
+  }
 }
 
 // Heads whose value sums a thread keeps in registers at once: up to 24 vectors of sums on AVX-512
@@ -105,10 +127,14 @@ static inline void weigh_values_n(const float* p, int64_t stride, float* out, in
   for (int64_t g = 0; g < n_ranges; g++)
     for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
       const KV* vj = v + j * vs;
+      const float record = scale_of(vj, d);
       for (int u = 0; u < N; u++) {
         const vv value = load_lanes(vj + VALUE_LANES * u);
-        // the score in every lane (x - 0 is x, exactly)
-        for (int h = 0; h < NH; h++) acc[h][u] = fma_lanes(p[h * stride + at] - vv{}, value, acc[h][u]);
+        // the score in every lane (x - 0 is x, exactly), times a record's scale
+        for (int h = 0; h < NH; h++) {
+          const float weight = RECORDS<KV> ? p[h * stride + at] * record : p[h * stride + at];
+          acc[h][u] = fma_lanes(weight - vv{}, value, acc[h][u]);
+        }
       }
     }
   for (int h = 0; h < NH; h++)
@@ -182,7 +208,7 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
         ahead[u] = kbase + cols[m + AHEAD + u < seen ? m + AHEAD + u : seen - 1] * c->ks;
       }
       fetch_keys(ahead, values, d);
-      if constexpr (D8 > 0 && SCORE_HEADS > 1 && !std::is_same<KV, float>::value) {  // fp16: a few heads at once
+      if constexpr (D8 > 0 && SCORE_HEADS > 1 && !std::is_same<KV, float>::value) {  // fp16, int8: heads at once
         for (int64_t h = first; h < last; h += SCORE_HEADS) {
           const int64_t n = last - h < SCORE_HEADS ? last - h : SCORE_HEADS;
           const float* qs[SCORE_HEADS];
@@ -216,6 +242,7 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
             block[u] = tail;
           }
         }
+        if constexpr (RECORDS<KV>) block = block * scales8(kj, d);
         store8(scores + (h - first) * stride + m, block * c->scale);
       }
     }
@@ -265,7 +292,8 @@ static void attend_row(const CallOf<KV>* c, int64_t b, int64_t i, int64_t h0, in
         for (int64_t g = 0; g < n_ranges; g++)
           for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
             const KV* vj = vbase + j * c->vs;
-            for (int64_t t = 0; t < d; t++) out[t] = fma1(p[at], to_float(vj[t]), out[t]);
+            const float weight = RECORDS<KV> ? p[at] * scale_of(vj, d) : p[at];
+            for (int64_t t = 0; t < d; t++) out[t] = fma1(weight, to_float(vj[t]), out[t]);
           }
       }
     }
