@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: the loader's choice)")
     parser.add_argument("--precision", default="int8dyn", help="int8dyn here; auto on a GPU")
     parser.add_argument("--model", default=None, help="default: the bundled model")
+    parser.add_argument("--by-width", action="store_true",
+                        help="also each method's decoding passes by (rows, columns fed a row): count, median ms, "
+                             "tokens a ms (where a method's wide passes pay or not)")
     parser.add_argument("--torch-attention", action="store_true",
                         help="on a GPU, SDPA's kernels as torch picks them, cuDNN's included (backends/hf.py)")
     args = parser.parse_args()
@@ -49,14 +52,17 @@ def main() -> None:
         prompts = [prompt_ids(lm.tokenizer, text) for text in json.load(f)[: args.limit]]
     methods = args.methods.split(",")
     seconds: dict[str, list[float]] = {m: [] for m in methods}
+    passes: dict[str, dict[tuple[int, int], list[tuple[float, int]]]] = {m: {} for m in methods}
     for turn in range(-1, args.turns):  # turn -1: every method once on the first batch, untimed (warm-up)
         for method in methods if turn % 2 == 0 else methods[::-1]:
             mode, tau = (method.split(":") + ["1.0"])[:2]
             config = DecodeConfig(mode=mode, tau=float(tau), max_new_tokens=args.max_new_tokens)
             started = time.perf_counter()
             for i in range(0, len(prompts) if turn >= 0 else 1, args.batch):
-                for _ in stream_batch_ids(lm, prompts[i : i + args.batch], config, scheme="token"):
-                    pass
+                for event in stream_batch_ids(lm, prompts[i : i + args.batch], config, scheme="token"):
+                    if turn >= 0 and event.kind != "prefill":
+                        shape = (sum(1 for row in event.rows if row.width), event.fed)  # rows in the pass
+                        passes[method].setdefault(shape, []).append((event.seconds, event.tokens))
             if turn >= 0:
                 seconds[method].append(time.perf_counter() - started)
     reference = seconds[methods[0]]
@@ -64,6 +70,11 @@ def main() -> None:
         ratios = [r / s for r, s in zip(reference, seconds[method])]
         print(f"{method:12s} {statistics.median(seconds[method]):7.3f} s a turn, {statistics.median(ratios):.3f}x "
               f"{methods[0]} (turns: {' '.join(f'{r:.3f}' for r in ratios)})")
+        if args.by_width:
+            for (rows, fed), seen in sorted(passes[method].items()):
+                ms = statistics.median(s for s, _ in seen) * 1000
+                per_ms = sum(t for _, t in seen) / sum(s for s, _ in seen) / 1000
+                print(f"    {rows} rows x {fed} fed: {len(seen)} passes, {ms:.1f} ms, {per_ms:.2f} tokens a ms")
 
 
 if __name__ == "__main__":
