@@ -10,6 +10,8 @@ from .. import settings
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the repository's assets/: shipped data and model files
 LOADED = 0.75  # a pass timed again at under this share of its kept cost: other load slowed that measurement
+CHECK_ROUNDS = 3  # timed rounds of that pass (after two warm-up rounds): fewer only read slower, never falsely fast
+CHECK_CONTEXT = 16  # cached tokens before it: one row's attention over 16 keys or 128 costs about the same
 
 
 def slowed(kept_ms: float, now_ms: float) -> bool:

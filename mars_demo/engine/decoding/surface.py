@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..backends.base import Backend
-from ..machine import cache_dir, slowed
+from ..machine import CHECK_CONTEXT, CHECK_ROUNDS, cache_dir, slowed
 from .acceptance import greedy_confidence
 
 if TYPE_CHECKING:
@@ -238,8 +238,8 @@ def cached_surface(backend: Backend, key: str, table_dir: Path) -> Surface:
 
 
 @torch.inference_mode()
-def slowed_by_load(backend: Backend, surface: Surface, *, context: int = SURFACE_CONTEXT,
-                   rounds: int = SURFACE_ROUNDS) -> bool:
+def slowed_by_load(backend: Backend, surface: Surface, *, context: int = CHECK_CONTEXT,
+                   rounds: int = CHECK_ROUNDS) -> bool:
     """Whether one row's one-token pass now takes less than machine.LOADED of what ``surface`` says it costs."""
     if surface.simulated or 1 not in surface.rows or 1 not in surface.widths:
         return False

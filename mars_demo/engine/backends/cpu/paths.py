@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .... import settings
 from ... import progress
-from ...machine import cpu_identity, cpu_model, slowed
+from ...machine import CHECK_CONTEXT, CHECK_ROUNDS, cpu_identity, cpu_model, slowed
 from .. import backend_for, cpu_engine_runs
 from . import int8gemm, native, native_layers, rowattn
 from .calibration import calibration_texts, smoothing_ranges, token_ids
@@ -380,7 +380,8 @@ def checked_curve(model: PreTrainedModel, found: ComputePath, key: str, widths: 
     and where it now takes less than machine.LOADED of the kept cost, other load slowed the curve's measurement
     (a test suite or a second process on the same cores). Every later pass would be priced on it, so the path's
     curve is measured again and kept; the choice of path stands."""
-    if not slowed(found.costs_ms[1], pass_costs(model, range(1, 2), seconds=0.0)[1]):
+    now = pass_costs(model, range(1, 2), context=CHECK_CONTEXT, reps=CHECK_ROUNDS, seconds=0.0)[1]
+    if not slowed(found.costs_ms[1], now):
         return found
     progress.report(f"measuring {found.path}'s pass costs again (the kept ones were slowed by other load)")
     costs = pass_costs(model, widths)
