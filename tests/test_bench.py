@@ -52,6 +52,10 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     for key in greedy:
         assert by[key]["agreement"] == 1.0 and by[key]["delta_nll_self"] == pytest.approx(0.0, abs=1e-4)
     assert by[("mars", 0.1, 1)]["tokens_per_forward"] > 1.0
+    # our batch decoders' decoding passes by columns fed a row (prefills apart); one-sequence runs have none
+    ar_passes, wide = by[("ar_batch_ours", 1.0, 2)]["passes_by_fed"], by[("mars_batch_token", 0.1, 2)]["passes_by_fed"]
+    assert set(ar_passes) == {"1"} and 0 < ar_passes["1"]["passes"] < by[("ar_batch_ours", 1.0, 2)]["forward_passes"]
+    assert any(int(fed) > 1 for fed in wide) and "passes_by_fed" not in by[("ar", 1.0, 1)]
     assert report["drifted"] == []  # (the tiny model runs on fp32 here: nothing is held to AR's text bit for bit)
     assert {"cpu", "cpu_cores", "torch_threads", "torch", "transformers", "device", "dtype"} <= set(report["machine"])
     assert report["command"].startswith("python -m mars_demo bench ") and "--taus 1,0.1" in report["command"]

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 
 from .. import settings
 from ..engine.backends.cpu.backend import CpuBackend
-from ..engine.decoding.batch import collect_batch, stream_batch_ids
+from ..engine.decoding.batch import BatchEvent, collect_batch, stream_batch_ids
 from ..engine.decoding.batch.rows import left_pad
 from ..engine.decoding.chat import pad_id, prompt_ids
 from ..engine.decoding.commit import commit_tokens
@@ -117,6 +117,7 @@ class Outcome:
     row_passes: list[int] = field(default_factory=list)  # per prompt: passes while its row was live
     forward_passes: int = 0  # batched forward calls
     seconds: float = 0.0
+    passes: dict[int, list] = field(default_factory=dict)  # batch decoders: columns fed a row -> [passes, s, tokens]
 
     def add(self, part: Outcome) -> None:
         """Append ``part``, the same job over the next prompts."""
@@ -124,6 +125,9 @@ class Outcome:
         self.row_passes += part.row_passes
         self.forward_passes += part.forward_passes
         self.seconds += part.seconds
+        for fed, (n, seconds, tokens) in part.passes.items():
+            seen = self.passes.setdefault(fed, [0, 0.0, 0])
+            seen[0], seen[1], seen[2] = seen[0] + n, seen[1] + seconds, seen[2] + tokens
 
 
 def plan(config: BenchConfig) -> list[Job]:
@@ -220,15 +224,25 @@ def run_batch(
     """decoding.batch.stream_batch_ids over consecutive chunks of ``batch_size`` prompts."""
     result = Outcome()
     for chunk in _chunks(prompts, batch_size):
+        part = Outcome()
         started = time.perf_counter()
-        gen = collect_batch(stream_batch_ids(lm, chunk, config, scheme=scheme))
+        gen = collect_batch(_noting(stream_batch_ids(lm, chunk, config, scheme=scheme), part.passes))
         sync(lm.model)
-        result.seconds += time.perf_counter() - started
-        result.outputs += gen.token_ids
-        result.forward_passes += gen.stats.forward_passes
-        result.row_passes += [row.forward_passes for row in gen.stats.rows]
+        part.seconds = time.perf_counter() - started
+        part.outputs, part.forward_passes = gen.token_ids, gen.stats.forward_passes
+        part.row_passes = [row.forward_passes for row in gen.stats.rows]
+        result.add(part)
         tick(len(chunk))
     return result
+
+
+def _noting(events: Iterator[BatchEvent], passes: dict[int, list]) -> Iterator[BatchEvent]:
+    """``events`` as they come, each decoding pass's seconds and tokens added up under its columns fed a row."""
+    for event in events:
+        if event.kind != "prefill":
+            seen = passes.setdefault(event.fed, [0, 0.0, 0])
+            seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + event.seconds, seen[2] + event.tokens
+        yield event
 
 
 def run_job(
@@ -321,7 +335,15 @@ def summarise(job: Job, outcome: Outcome, reference: list[list[int]], scorer: Sc
         "delta_nll_self": round(nll - ref_nll, 5),
         "agreement": round(agreement(outcome.outputs, reference), 4),
         "exact_match": round(exact_match(outcome.outputs, reference), 4),
+        **({"passes_by_fed": by_fed(outcome.passes)} if outcome.passes else {}),
     }
+
+
+def by_fed(passes: dict[int, list]) -> dict[str, dict]:
+    """A batch decoder's decoding passes by columns fed a row: how many, ms a pass, tokens a ms."""
+    return {str(fed): {"passes": n, "ms_per_pass": round(seconds * 1000 / n, 3),
+                       "tokens_per_ms": round(tokens / (seconds * 1000), 4) if seconds > 0 else None}
+            for fed, (n, seconds, tokens) in sorted(passes.items())}
 
 
 def add_speedups(runs: list[dict]) -> None:
