@@ -127,14 +127,13 @@ static inline void weigh_values_n(const float* p, int64_t stride, float* out, in
   for (int64_t g = 0; g < n_ranges; g++)
     for (int64_t j = ranges[2 * g]; j < ranges[2 * g + 1]; j++, at++) {
       const KV* vj = v + j * vs;
-      const float record = scale_of(vj, d);
+      // each head's weight of this value: its score, times a record's scale; in every lane (x - 0 is x, exactly)
+      vv weights[NH];
+      for (int h = 0; h < NH; h++)
+        weights[h] = (RECORDS<KV> ? p[h * stride + at] * scale_of(vj, d) : p[h * stride + at]) - vv{};
       for (int u = 0; u < N; u++) {
         const vv value = load_lanes(vj + VALUE_LANES * u);
-        // the score in every lane (x - 0 is x, exactly), times a record's scale
-        for (int h = 0; h < NH; h++) {
-          const float weight = RECORDS<KV> ? p[h * stride + at] * record : p[h * stride + at];
-          acc[h][u] = fma_lanes(weight - vv{}, value, acc[h][u]);
-        }
+        for (int h = 0; h < NH; h++) acc[h][u] = fma_lanes(weights[h], value, acc[h][u]);
       }
     }
   for (int h = 0; h < NH; h++)
