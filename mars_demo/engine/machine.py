@@ -9,15 +9,15 @@ from pathlib import Path
 from .. import settings
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"  # the repository's assets/: shipped data and model files
-LOADED = 0.75  # a pass timed again at under this share of its kept cost: other load slowed that measurement
+LOADED = 0.6  # a pass timed again at under this share of its kept cost: other load slowed that measurement
 CHECK_ROUNDS = 3  # timed rounds of that pass (after two warm-up rounds): fewer only read slower, never falsely fast
 CHECK_CONTEXT = 16  # cached tokens before it: one row's attention over 16 keys or 128 costs about the same
 
 
 def slowed(kept_ms: float, now_ms: float) -> bool:
     """Whether a kept measurement of a pass (``kept_ms``) was slowed by other load: the same pass, timed again now
-    as its fastest of a few rounds, takes less than LOADED of it. The VM's own drift moves a pass by 10-30%;
-    a second process on the same cores doubles it."""
+    as its fastest of a few rounds, takes less than LOADED of it. The VM's own drift moves a pass by up to a third
+    (docs/METHOD.md, "Width"); a second process on the same cores doubles it."""
     return now_ms < LOADED * kept_ms
 
 
