@@ -16,9 +16,9 @@ from pathlib import Path
 
 from test_browser import browser, pytestmark, server  # noqa: F401 - the fixtures and skips, shared
 
-# the longer answer first (the poem runs to the token limit, the explanation ends sooner): the second visitor's answer
-# then shares the batch from its start to its end
-PROMPTS = ("Write a short poem about the sea <b>bold</b>.", "Explain photosynthesis in three sentences.")
+# two answers that run to the token limit (80-90 passes each, at least 0.05 s a pass on the test server): the two
+# share the batch for most of the first one's passes, however slowly the pages are read
+PROMPTS = ("Write a short poem about the sea <b>bold</b>.", "Tell me a long story about a dragon who learns to fly.")
 TIPS = "[...document.querySelectorAll('#live-pane .tok')].map(e => e.dataset.tip)"
 
 
@@ -42,12 +42,13 @@ def test_two_visitors_share_the_batch_and_tau_drops_while_both_run(browser, serv
     try:
         for page, prompt in zip(pages, PROMPTS):
             page.fill("#live-prompt textarea", prompt)
-        # the second visitor sends once the first one decodes: clicked together, the second answer once ended
-        # before the first began in a CI run; this way the two overlap for most of the first one's passes
+        # the second visitor sends once the first one is in the shared batch (waiting for its first pass or
+        # decoding): clicked together, the second answer once ended before the first began in a CI run; sent once
+        # the first decoded, a short second answer once began and ended between two readings of the pages
         # (MARS_DEMO_LIVE_PACE, test_browser.py)
         pages[0].click("#live-send")
-        first_decodes_by = time.monotonic() + 120
-        while not sample(pages[0])[1].startswith("Decoding") and time.monotonic() < first_decodes_by:
+        first_sent_by = time.monotonic() + 120
+        while not sample(pages[0])[1].startswith(("Waiting", "Decoding")) and time.monotonic() < first_sent_by:
             time.sleep(0.1)
         pages[1].click("#live-send")
         seen, deadline = [], time.monotonic() + 240
