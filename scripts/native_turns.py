@@ -38,8 +38,12 @@ def build(tree: str, where: Path, like) -> ctypes._CFuncPtr:
         library.int8_tiling.argtypes = [ctypes.c_int64]
         library.int8_tiling(int8gemm.TILINGS.index(int8gemm.tiling()))
     if hasattr(library, "int8_prefetch") and int8gemm.prefetching() is not None:
-        library.int8_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        library.int8_prefetch(*map(int8gemm.PREFETCHES.index, (int8gemm.ONE_ROW_PREFETCH, int8gemm.prefetching())))
+        few, many = int8gemm.prefetching()
+        if "few_rows" in (native.SOURCES / "int8_linear.cpp").read_text():
+            int8gemm.set_prefetch(library, (few, many))
+        else:  # a build from before tiles of a few rows had their own choice: one for every tile of several rows
+            library.int8_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64]
+            library.int8_prefetch(*map(int8gemm.PREFETCHES.index, (int8gemm.ONE_ROW_PREFETCH, many)))
     function = library.decoder
     function.argtypes, function.restype = like.argtypes, like.restype
     return function

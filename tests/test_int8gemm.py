@@ -93,19 +93,46 @@ def test_every_prefetch_returns_the_exact_integer_arithmetic(into):
     """Tiles asking for the next tile's weights nowhere, into L1 or into L2 add the same integers, one row or many;
     the weights of ones that prefetching times on give each row's exact sums too."""
     loaded, chosen = int8gemm._holder(), int8gemm.prefetching()
-    assert chosen in int8gemm.PREFETCHES  # timed on this CPU at load
+    assert len(chosen) == 2 and set(chosen) <= set(int8gemm.PREFETCHES)  # timed on this CPU at load
     weight, b = weights(80, 96)
     linear = RowInt8Linear(weight, b)
     ones, all_ones = int8gemm.Weights.filled(40, 96), torch.ones(40, 96, dtype=torch.int64)
     try:
-        loaded.int8_prefetch(int8gemm.PREFETCHES.index(into), int8gemm.PREFETCHES.index(into))
+        loaded.int8_prefetch(*[int8gemm.PREFETCHES.index(into)] * 3)
         for n in (1, 2, 8, 13, 33):
             x = awkward_rows(n, 96, seed=n)
             assert torch.equal(linear(x), reference(weight, b, x)), n
             filled = ones.linear(int8gemm.kernel(), x)
             assert torch.equal(filled, integer_reference(all_ones, torch.ones(40), None, x))
     finally:
-        loaded.int8_prefetch(*map(int8gemm.PREFETCHES.index, (int8gemm.ONE_ROW_PREFETCH, chosen)))
+        int8gemm.set_prefetch(loaded, chosen)
+
+
+class FakeLibrary:
+    """A library whose int8_linear costs, on a fake clock, what the ask set for its tile's kind says (``costs``)."""
+
+    def __init__(self) -> None:
+        self.costs = {"few": {"none": 1.0, "L1": 1.2, "L2": 1.5}, "many": {"none": 3.0, "L1": 2.5, "L2": 2.0}}
+        self.now, self.set = 0.0, (1, 1, 1)
+        self.int8_linear = lambda x, rows, *rest: self.run(rows)
+        self.int8_prefetch = lambda *into: setattr(self, "set", into)
+
+    def run(self, rows: int) -> int:
+        kind, into = ("few", self.set[1]) if rows < 8 else ("many", self.set[2])
+        self.now += self.costs[kind][int8gemm.PREFETCHES[into]]
+        return 0
+
+
+def test_prefetching_times_tiles_of_a_few_rows_and_of_many_apart(monkeypatch):
+    """Each kind of tile gets the ask that ran it fastest, timed where it is the only kind; one row's keeps its own."""
+    fake = FakeLibrary()
+    monkeypatch.setattr(int8gemm, "_holder", lambda: fake)
+    monkeypatch.setattr(int8gemm, "last_level_cache", lambda: 1 << 20)
+    monkeypatch.setattr(int8gemm.time, "perf_counter", lambda: fake.now)
+    assert int8gemm.prefetching.__wrapped__() == ("none", "L2")
+    assert fake.set == tuple(int8gemm.PREFETCHES.index(p) for p in (int8gemm.ONE_ROW_PREFETCH, "none", "L2"))
+    fake.costs["few"]["L1"] = 0.5  # now asking into L1 pays for a few rows
+    assert int8gemm.prefetching.__wrapped__() == ("L1", "L2")
 
 
 @pytest.mark.parametrize(
@@ -137,10 +164,10 @@ def test_the_loops_of_lesser_cpus_return_the_same_arithmetic(build, tmp_path, mo
     function.argtypes, function.restype, tiling.argtypes = int8gemm.kernel().argtypes, ctypes.c_int, [ctypes.c_int64]
     weight, b = weights(37, 101)
     kernel_weights = RowInt8Linear(weight, b).weights
-    built.int8_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    built.int8_prefetch.argtypes = [ctypes.c_int64] * 3
     for tiles in range(len(int8gemm.TILINGS)):
         tiling(tiles)
-        built.int8_prefetch(tiles, len(int8gemm.PREFETCHES) - 1 - tiles)  # every ask, for one row and for more
+        built.int8_prefetch(tiles, 2 - tiles, tiles + 1)  # every ask, for one row, a few rows and many
         for n in (1, 5, 13, 21):  # tiles of 4, 8 or 16 rows, and the rest
             x = awkward_rows(n, 101, seed=n)
             assert torch.equal(kernel_weights.linear(function, x), reference(weight, b, x)), (tiles, n)

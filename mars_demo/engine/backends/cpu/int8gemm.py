@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from functools import cache
+from functools import cache, partial
 
 import torch
 
@@ -98,36 +98,59 @@ def _fastest(choices: int, rounds: int, choose, work) -> int:
 PREFETCHES = ("none", "L1", "L2")  # csrc/int8_linear.cpp's int8_prefetch: 0, 1, 2
 ONE_ROW_PREFETCH = "L1"  # a one-row tile's, as it was: timed the synthetic way, asking nowhere read faster, but
 # inside the decoder the two were level (BENCHMARKS.md, "Many requests at once")
-PREFETCH_ROWS = 8  # a tile of several rows is timed at this many
+# the rows a tile of a few rows (2-7: csrc/int8_linear.cpp's MANY_ROWS) and a tile of many are timed at
+PREFETCH_ROWS = (4, 16)
 PREFETCH_ROUNDS = 5
 STREAM_LAYER = (3072, 576)  # the synthetic layers prefetching streams: the bundled model's gate/up linear
 STREAM_LEAST = 64 << 20  # bytes streamed where the CPU does not say its last-level cache's size
 
 
 @cache
-def prefetching() -> str | None:
-    """Where the GEMM's tiles of several rows ask for the next tile's weights (the fastest of PREFETCHES), timed in
-    turns on this CPU once a process and set in the library that holds the linear; tiles of one row ask into
-    ONE_ROW_PREFETCH. None: no such library.
+def prefetching() -> tuple[str, str] | None:
+    """Where the GEMM's tiles of a few rows and of many ask for the next tile's weights (each the fastest of
+    PREFETCHES), timed in turns on this CPU once a process and set in the library that holds the linear
+    (``set_prefetch``); tiles of one row ask into ONE_ROW_PREFETCH. None: no such library.
 
     A decoding pass streams its weights from memory layer by layer, so they are timed so: synthetic layers of
     STREAM_LAYER's shape, twice the last-level cache's bytes in all (``machine.last_level_cache``; 15 sweeps of
-    ~2.5 ms). One large layer is no stand-in: the CPU's own prefetchers keep up with one long stream and not
-    with many short ones. A tile of eight rows does eight dot products a line it reads, and an ask into L1 can
-    displace what it is reading (BENCHMARKS.md, "Many requests at once"). The same bits either way."""
+    ~2-4 ms for each kind of tile). One large layer is no stand-in: the CPU's own prefetchers keep up with one long
+    stream and not with many short ones. A tile of many rows does that many dot products a line it reads, and an
+    ask into L1 can displace what it is reading; a tile of a few rows reads its lines sooner than an ask brings
+    them. Each kind is timed where it is the only kind of tile, at PREFETCH_ROWS, where the choices lie far enough
+    apart to be told: one choice for every tile of several rows, timed at 8 rows, where they read nearly level,
+    could settle on the slowest for 12-32 rows (BENCHMARKS.md, "Many requests at once"). The same bits either
+    way."""
     loaded = _holder()
     if loaded is None or not hasattr(loaded, "int8_prefetch"):
         return None
-    linear, choose = loaded.int8_linear, loaded.int8_prefetch
-    linear.argtypes, linear.restype, choose.argtypes, choose.restype = ARGTYPES, ctypes.c_int, [_I, _I], None
+    linear = loaded.int8_linear
+    linear.argtypes, linear.restype = ARGTYPES, ctypes.c_int
     out, inputs = STREAM_LAYER
     size = 2 * (last_level_cache() or STREAM_LEAST // 2)
     layers = [Weights.filled(out, inputs) for _ in range(-(-size // (out * inputs)))]
-    x = torch.randn(PREFETCH_ROWS, inputs, generator=torch.Generator().manual_seed(0))
-    one = PREFETCHES.index(ONE_ROW_PREFETCH)
-    chosen = _fastest(len(PREFETCHES), PREFETCH_ROUNDS, lambda choice: choose(one, choice),
-                      lambda: [layer.linear(linear, x) for layer in layers])
-    return PREFETCHES[chosen]
+    generator = torch.Generator().manual_seed(0)
+    chosen = [ONE_ROW_PREFETCH] * len(PREFETCH_ROWS)  # as the library starts: every tile into L1
+    for kind, rows in enumerate(PREFETCH_ROWS):
+        x = torch.randn(rows, inputs, generator=generator)
+
+        def choose(choice: int, kind: int = kind) -> None:
+            chosen[kind] = PREFETCHES[choice]
+            set_prefetch(loaded, (chosen[0], chosen[1]))
+
+        _fastest(len(PREFETCHES), PREFETCH_ROUNDS, choose, partial(_sweep, linear, layers, x))
+    return chosen[0], chosen[1]
+
+
+def _sweep(linear, layers: list[Weights], x: torch.Tensor) -> None:
+    for layer in layers:
+        layer.linear(linear, x)
+
+
+def set_prefetch(library: ctypes.CDLL, chosen: tuple[str, str]) -> None:
+    """Where ``library``'s tiles ask for the next tile's weights: one row's into ONE_ROW_PREFETCH, a few rows' and
+    many rows' as ``chosen`` says (names from PREFETCHES)."""
+    library.int8_prefetch.argtypes, library.int8_prefetch.restype = [_I, _I, _I], None
+    library.int8_prefetch(*(PREFETCHES.index(where) for where in (ONE_ROW_PREFETCH, *chosen)))
 
 
 DEPTH, TILE = 4, 16  # csrc/int8_linear.cpp's packing: blocks of 16 columns by 4 inputs

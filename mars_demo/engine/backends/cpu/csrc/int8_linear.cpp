@@ -69,9 +69,11 @@ inline void finish(const Linear& L, int64_t r, int64_t c, int32_t sum) {
 }
 
 // Where a tile asks for the same bytes of the tile PREFETCH_TILES on, by its rows (int8_prefetch): [0] for a tile
-// of one row, [1] for more. 0: not at all (the CPU's own prefetchers), 1: into L1, 2: into L2. The bytes
-// come whichever: int8gemm.prefetching times the three for tiles of several rows on the CPU at hand.
-int64_t prefetch_into[2] = {1, 1};
+// of one row, [1] for a tile of a few (fewer than MANY_ROWS), [2] for more. 0: not at all (the CPU's own
+// prefetchers), 1: into L1, 2: into L2. The bytes come whichever: int8gemm.prefetching times the three for tiles
+// of a few rows and of many on the CPU at hand.
+constexpr int MANY_ROWS = 8;
+int64_t prefetch_into[3] = {1, 1, 1};
 
 #if defined(__AVX2__)
 #ifndef PREFETCH_TILES
@@ -154,7 +156,7 @@ inline void tile(const Linear& L, int64_t r0, int64_t t) {
   const int64_t depth = L.depth(), steps = depth / DEPTH;
   const int8_t* w = L.packed + t * TILE * depth;
   const int8_t* ahead = w + PREFETCH_TILES * TILE * depth;  // the same bytes of a later tile
-  const int64_t into = prefetch_into[R > 1];
+  const int64_t into = prefetch_into[R == 1 ? 0 : R < MANY_ROWS ? 1 : 2];
   const bool fetch = into && ahead + TILE * depth <= L.packed + padded(L.out, TILE) * depth;
   const uint8_t* a = L.codes + r0 * depth;
   for (int64_t s = 0; s < steps; s++) {
@@ -300,11 +302,12 @@ extern "C" {
 // The same bits either way (exact integer sums).
 void int8_tiling(int64_t short_rows) { short_tiles = short_rows; }
 
-// Where later calls' tiles of one row and of more rows prefetch (prefetch_into): 0 nowhere, 1 L1, 2 L2. The same
-// bits either way.
-void int8_prefetch(int64_t one_row, int64_t more_rows) {
+// Where later calls' tiles of one row, of a few rows and of many prefetch (prefetch_into): 0 nowhere, 1 L1, 2 L2.
+// The same bits either way.
+void int8_prefetch(int64_t one_row, int64_t few_rows, int64_t many_rows) {
   prefetch_into[0] = one_row;
-  prefetch_into[1] = more_rows;
+  prefetch_into[1] = few_rows;
+  prefetch_into[2] = many_rows;
 }
 
 // y (rows, out) = the row-exact int8 linear of x (rows, in; rows `x_stride` floats apart) and the
