@@ -8,6 +8,7 @@ import pytest
 
 from mars_demo import cli
 from mars_demo.commands import bench as bench_command
+from mars_demo.engine.backends.cpu import int8gemm
 from mars_demo.engine.decoding.metrics import agreement
 from mars_demo.research import benchmark
 from mars_demo.research import report as report_page
@@ -31,6 +32,7 @@ def prompts_file(tmp_path):
 def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsys):
     lm = make_lm("qwen2")
     monkeypatch.setattr(bench_command, "load_model", lambda *a, **k: lm)
+    loaded = int8gemm.kernel() is not None  # built and timed now if it can be: the report then says how it runs
     out = tmp_path / "out" / "report.json"
     code = cli.main([
         "bench", "--model", "tiny", "--prompts", str(prompts_file), "--taus", "1.0,0.1",
@@ -58,6 +60,11 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     assert any(int(fed) > 1 for fed in wide) and "passes_by_fed" not in by[("ar", 1.0, 1)]
     assert report["drifted"] == []  # (the tiny model runs on fp32 here: nothing is held to AR's text bit for bit)
     assert {"cpu", "cpu_cores", "torch_threads", "torch", "transformers", "device", "dtype"} <= set(report["machine"])
+    gemm = report["machine"]["int8_gemm"]  # how the native int8 linear tiled and prefetched in this process
+    if loaded:
+        assert gemm["tiling"] in int8gemm.TILINGS and gemm["prefetch"]["few_rows"] in int8gemm.PREFETCHES
+    else:
+        assert gemm is None
     assert report["command"].startswith("python -m mars_demo bench ") and "--taus 1,0.1" in report["command"]
     assert set(report["profile"]["mars"]["ms_per_pass"]) >= {"forward_body", "lm_head", "acceptance_and_host"}
     page = out.with_suffix(".html").read_text()

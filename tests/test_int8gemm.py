@@ -118,7 +118,7 @@ class FakeLibrary:
         self.int8_prefetch = lambda *into: setattr(self, "set", into)
 
     def run(self, rows: int) -> int:
-        kind, into = ("few", self.set[1]) if rows < 8 else ("many", self.set[2])
+        kind, into = ("few", self.set[1]) if rows < 5 else ("many", self.set[2])  # csrc's MANY_ROWS
         self.now += self.costs[kind][int8gemm.PREFETCHES[into]]
         return 0
 

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .. import settings
+from ..engine.backends.cpu import int8gemm
 from ..engine.backends.cpu.backend import CpuBackend
 from ..engine.decoding.batch import BatchEvent, collect_batch, stream_batch_ids
 from ..engine.decoding.batch.rows import left_pad
@@ -290,6 +291,7 @@ def machine(lm: LoadedModel) -> dict:
         "prefix_reuse": isinstance(backend, CpuBackend) and backend.prefixes is not None,
         "compute_path": compute.record() if compute is not None else None,
         "cost_surface": surface.record() if (surface := known_surface(lm)) is not None else None,
+        "int8_gemm": int8gemm.record(),  # its tiles and prefetches, timed at load: tables depend on them
     }
     if model.device.type == "cuda":
         desc["gpu"] = torch.cuda.get_device_name(model.device)

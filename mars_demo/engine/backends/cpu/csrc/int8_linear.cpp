@@ -72,7 +72,7 @@ inline void finish(const Linear& L, int64_t r, int64_t c, int32_t sum) {
 // of one row, [1] for a tile of a few (fewer than MANY_ROWS), [2] for more. 0: not at all (the CPU's own
 // prefetchers), 1: into L1, 2: into L2. The bytes come whichever: int8gemm.prefetching times the three for tiles
 // of a few rows and of many on the CPU at hand.
-constexpr int MANY_ROWS = 8;
+constexpr int MANY_ROWS = 5;
 int64_t prefetch_into[3] = {1, 1, 1};
 
 #if defined(__AVX2__)
