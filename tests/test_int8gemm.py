@@ -99,7 +99,7 @@ def test_every_prefetch_returns_the_exact_integer_arithmetic(into):
     ones, all_ones = int8gemm.Weights.filled(40, 96), torch.ones(40, 96, dtype=torch.int64)
     try:
         loaded.int8_prefetch(*[int8gemm.PREFETCHES.index(into)] * 3)
-        for n in (1, 2, 8, 13, 33):
+        for n in (1, 2, 4, 5, 8, 13, 33):  # tiles of one row, a few (2-4) and many
             x = awkward_rows(n, 96, seed=n)
             assert torch.equal(linear(x), reference(weight, b, x)), n
             filled = ones.linear(int8gemm.kernel(), x)
