@@ -98,8 +98,8 @@ def _fastest(choices: int, rounds: int, choose, work) -> int:
 PREFETCHES = ("none", "L1", "L2")  # csrc/int8_linear.cpp's int8_prefetch: 0, 1, 2
 ONE_ROW_PREFETCH = "L1"  # a one-row tile's, as it was: timed the synthetic way, asking nowhere read faster, but
 # inside the decoder the two were level (BENCHMARKS.md, "Many requests at once")
-# the calls that time a tile of a few rows (2-4: csrc/int8_linear.cpp's MANY_ROWS) and a tile of many, by their rows
-PREFETCH_ROWS = ((2,), (16,))
+# the rows that time a tile of a few rows (2-4: csrc/int8_linear.cpp's MANY_ROWS) and a tile of many
+PREFETCH_ROWS = (2, 16)
 PREFETCH_ROUNDS = 7
 STREAM_LAYER = (3072, 576)  # the synthetic layers prefetching streams: the bundled model's gate/up linear
 STREAM_LEAST = 64 << 20  # bytes streamed where the CPU does not say its last-level cache's size
@@ -116,7 +116,7 @@ def prefetching() -> tuple[str, str] | None:
     PREFETCH_ROUNDS times under each choice for each kind of tile (~2-4 ms a sweep). One large layer is no
     stand-in: the CPU's own prefetchers keep up with one long stream and not with many short ones. A tile of many
     rows does that many dot products a line it reads, and an ask into L1 can displace what it is reading; which ask
-    is fastest differs with a tile's rows, so each kind is timed alone, on the calls PREFETCH_ROWS lists, where the
+    is fastest differs with a tile's rows, so each kind is timed alone, at the rows PREFETCH_ROWS gives, where the
     choices lie far enough apart to be told. One choice for every tile of several rows, timed at 8 rows where they
     read nearly level, could settle on the slowest for 2-4 rows or for 12-32 (BENCHMARKS.md, "Many requests at
     once"). The same bits either way."""
@@ -130,14 +130,14 @@ def prefetching() -> tuple[str, str] | None:
     layers = [Weights.filled(out, width) for _ in range(-(-size // (out * width)))]
     generator = torch.Generator().manual_seed(0)
     chosen = [ONE_ROW_PREFETCH] * len(PREFETCH_ROWS)  # as the library starts: every tile into L1
-    for kind, calls in enumerate(PREFETCH_ROWS):
-        inputs = [torch.randn(rows, width, generator=generator) for rows in calls]
+    for kind, rows in enumerate(PREFETCH_ROWS):
+        x = torch.randn(rows, width, generator=generator)
 
         def choose(choice: int, kind: int = kind) -> None:
             chosen[kind] = PREFETCHES[choice]
             set_prefetch(loaded, (chosen[0], chosen[1]))
 
-        _fastest(len(PREFETCHES), PREFETCH_ROUNDS, choose, partial(_sweep, linear, layers, inputs))
+        _fastest(len(PREFETCHES), PREFETCH_ROUNDS, choose, partial(_sweep, linear, layers, x))
     return chosen[0], chosen[1]
 
 
@@ -150,10 +150,9 @@ def record() -> dict | None:
     return {"tiling": tiling(), "prefetch": {"one_row": ONE_ROW_PREFETCH, "few_rows": few, "many_rows": many}}
 
 
-def _sweep(linear, layers: list[Weights], inputs: list[torch.Tensor]) -> None:
-    for x in inputs:
-        for layer in layers:
-            layer.linear(linear, x)
+def _sweep(linear, layers: list[Weights], x: torch.Tensor) -> None:
+    for layer in layers:
+        layer.linear(linear, x)
 
 
 def set_prefetch(library: ctypes.CDLL, chosen: tuple[str, str]) -> None:
