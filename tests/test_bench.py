@@ -58,6 +58,8 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     ar_passes, wide = by[("ar_batch_ours", 1.0, 2)]["passes_by_fed"], by[("mars_batch_token", 0.1, 2)]["passes_by_fed"]
     assert set(ar_passes) == {"1"} and 0 < ar_passes["1"]["passes"] < by[("ar_batch_ours", 1.0, 2)]["forward_passes"]
     assert any(int(fed) > 1 for fed in wide) and "passes_by_fed" not in by[("ar", 1.0, 1)]
+    assert all(0 <= by[(m, 1.0, 2)]["tail_share"] <= 1 for m in ("ar_batch_ours", "mars_batch_token", "exact_batch"))
+    assert "tail_share" not in by[("ar", 1.0, 1)] and "tail_share" not in by[("ar_batch", 1.0, 2)]
     assert report["drifted"] == []  # (the tiny model runs on fp32 here: nothing is held to AR's text bit for bit)
     assert {"cpu", "cpu_cores", "torch_threads", "torch", "transformers", "device", "dtype"} <= set(report["machine"])
     gemm = report["machine"]["int8_gemm"]  # how the native int8 linear tiled and prefetched in this process
@@ -209,3 +211,22 @@ def test_the_report_draws_each_decoder_across_batch_sizes_and_tau_only_where_a_t
     page = report_page.to_html({"runs": plain + [{**full, "method": "mars", "tau": 0.9, "batch_size": 2}],
                                 "machine": {}})
     assert "Throughput against tau" in page and "Throughput by batch size" in page
+
+
+def test_a_batchs_tail_is_the_time_in_passes_with_fewer_rows_than_it_began_with():
+    """tail_share: decoding passes (prefills apart) in which a row of the batch had finished, against all of them."""
+    from mars_demo.engine.decoding.batch.events import BatchEvent, RowStep
+
+    live, gone = RowStep(token_ids=(5,), width=1), RowStep()
+    passes = [("prefill", (live, live, live), 0.5), ("window", (live, live, live), 0.3),
+              ("window", (live, gone, live), 0.2), ("window", (gone, live, gone), 0.1)]
+    events = [BatchEvent(index=i, rows=rows, tau=1.0, seconds=s, kind=kind, fed=1)
+              for i, (kind, rows, s) in enumerate(passes)]
+    part = Outcome()
+    assert list(benchmark._noting(iter(events), part, rows=3)) == events
+    assert part.decoding_seconds == pytest.approx(0.6) and part.tail_seconds == pytest.approx(0.3)
+    assert part.passes == {1: [3, pytest.approx(0.6), 6]}  # each live row one token a pass
+    whole = Outcome()
+    whole.add(part)
+    whole.add(part)
+    assert whole.tail_seconds / whole.decoding_seconds == pytest.approx(0.5)

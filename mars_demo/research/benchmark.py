@@ -19,7 +19,7 @@ surface (decoding/width.py; ``--max-fed none`` feeds the full window), recorded 
 Figures per run: tokens_per_second, tokens_per_forward, speedup (over the faster AR run at the
 same batch size, named in ``speedup_over``), delta_nll_self and agreement, as decoding/metrics.py
 defines them, against our AR's outputs on the same backend and path (BENCHMARKS.md, "Columns"; docs/cli.md,
-"bench", for how ``generate`` is compared).
+"bench", for how ``generate`` is compared); our batch decoders' add ``passes_by_fed`` and ``tail_share``.
 Each run is warmed up (same code path, first prompts, a few tokens) before it is timed. The runs of
 one batch size take turns prompt by prompt (batch by batch), so a drift in the machine's speed
 slows them alike (``run_group``).
@@ -119,6 +119,8 @@ class Outcome:
     forward_passes: int = 0  # batched forward calls
     seconds: float = 0.0
     passes: dict[int, list] = field(default_factory=dict)  # batch decoders: columns fed a row -> [passes, s, tokens]
+    decoding_seconds: float = 0.0  # batch decoders: decoding passes' seconds, and those of passes with fewer rows
+    tail_seconds: float = 0.0  # than the batch began with (a static batch waiting on its last rows)
 
     def add(self, part: Outcome) -> None:
         """Append ``part``, the same job over the next prompts."""
@@ -126,6 +128,8 @@ class Outcome:
         self.row_passes += part.row_passes
         self.forward_passes += part.forward_passes
         self.seconds += part.seconds
+        self.decoding_seconds += part.decoding_seconds
+        self.tail_seconds += part.tail_seconds
         for fed, (n, seconds, tokens) in part.passes.items():
             seen = self.passes.setdefault(fed, [0, 0.0, 0])
             seen[0], seen[1], seen[2] = seen[0] + n, seen[1] + seconds, seen[2] + tokens
@@ -227,7 +231,7 @@ def run_batch(
     for chunk in _chunks(prompts, batch_size):
         part = Outcome()
         started = time.perf_counter()
-        gen = collect_batch(_noting(stream_batch_ids(lm, chunk, config, scheme=scheme), part.passes))
+        gen = collect_batch(_noting(stream_batch_ids(lm, chunk, config, scheme=scheme), part, len(chunk)))
         sync(lm.model)
         part.seconds = time.perf_counter() - started
         part.outputs, part.forward_passes = gen.token_ids, gen.stats.forward_passes
@@ -237,12 +241,16 @@ def run_batch(
     return result
 
 
-def _noting(events: Iterator[BatchEvent], passes: dict[int, list]) -> Iterator[BatchEvent]:
-    """``events`` as they come, each decoding pass's seconds and tokens added up under its columns fed a row."""
+def _noting(events: Iterator[BatchEvent], part: Outcome, rows: int) -> Iterator[BatchEvent]:
+    """``events`` as they come, each decoding pass's seconds and tokens added up in ``part`` under its columns fed a
+    row, and its seconds as a pass of the whole batch (``rows``) or of fewer."""
     for event in events:
         if event.kind != "prefill":
-            seen = passes.setdefault(event.fed, [0, 0.0, 0])
+            seen = part.passes.setdefault(event.fed, [0, 0.0, 0])
             seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + event.seconds, seen[2] + event.tokens
+            part.decoding_seconds += event.seconds
+            if sum(1 for row in event.rows if row.width) < rows:
+                part.tail_seconds += event.seconds
         yield event
 
 
@@ -338,6 +346,8 @@ def summarise(job: Job, outcome: Outcome, reference: list[list[int]], scorer: Sc
         "agreement": round(agreement(outcome.outputs, reference), 4),
         "exact_match": round(exact_match(outcome.outputs, reference), 4),
         **({"passes_by_fed": by_fed(outcome.passes)} if outcome.passes else {}),
+        **({"tail_share": round(outcome.tail_seconds / outcome.decoding_seconds, 4)}
+           if outcome.decoding_seconds > 0 else {}),
     }
 
 
@@ -388,14 +398,8 @@ def run_group(
     return outcomes
 
 
-def run_benchmark(
-    lm: LoadedModel,
-    prompts: list[str],
-    config: BenchConfig = BenchConfig(),
-    *,
-    progress: bool = True,
-    on_run: Callable[[dict], None] | None = None,
-) -> dict:
+def run_benchmark(lm: LoadedModel, prompts: list[str], config: BenchConfig = BenchConfig(), *, progress: bool = True,
+                  on_run: Callable[[dict], None] | None = None) -> dict:
     """Run every planned job on ``prompts`` (chat template applied) and return the report (a dict)."""
     if not prompts:
         raise ValueError("no prompts to benchmark")

@@ -28,6 +28,7 @@ COLUMNS = (  # (key, header, format)
     ("forward_passes", "passes", "{}"),
     ("tokens", "tokens", "{}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("tail_share", "tail", "{:.2f}"),  # our batch decoders only
     ("delta_nll_self", "dNLL self", "{:+.3f}"),
     ("agreement", "agree", "{:.3f}"),
     ("agreement_fp32", "agree fp32", "{:.3f}"),  # bench --fp32-reference only
