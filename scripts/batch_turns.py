@@ -75,6 +75,11 @@ def main() -> None:
                 ms = statistics.median(s for s, _ in seen) * 1000
                 per_ms = sum(t for _, t in seen) / sum(s for s, _ in seen) / 1000
                 print(f"    {rows} rows x {fed} fed: {len(seen)} passes, {ms:.1f} ms, {per_ms:.2f} tokens a ms")
+            for name, whole in (("the whole batch", True), ("fewer rows", False)):  # a static batch's tail apart
+                seen = [x for (rows, _), xs in passes[method].items() if (rows == args.batch) == whole for x in xs]
+                spent, tokens = sum(s for s, _ in seen), sum(t for _, t in seen)
+                if seen:
+                    print(f"    passes of {name}: {len(seen)}, {spent:.2f} s, {tokens / spent / 1000:.2f} tokens a ms")
 
 
 if __name__ == "__main__":

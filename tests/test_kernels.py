@@ -476,3 +476,17 @@ def test_bf16_rows_are_exact_at_the_released_checkpoints_widths():
         ids[0, n:] = mask
         with torch.inference_mode():
             assert torch.equal(backend.forward(ids[:, :n], None, keep=0)[0], backend.forward(ids, None, keep=0)[0, :n])
+
+
+def test_a_saved_table_drops_what_was_measured_for_a_model_folder_that_is_gone(tmp_path):
+    """A test's temporary model, or a checkpoint moved away, leaves entries no key can reach again: not kept."""
+    from mars_demo.engine import machine
+
+    here, gone = tmp_path / "here", tmp_path / "gone"
+    here.mkdir()
+    table = {f"AMD EPYC|model={here}|params=1": {"ms": 1}, f"AMD EPYC|model={gone}|params=1": {"ms": 2},
+             "AMD EPYC|model=HuggingFaceTB/SmolLM2-135M-Instruct": {"ms": 3}, "AMD EPYC|model=llama": {"ms": 4}}
+    path = tmp_path / "tables" / "costs.json"
+    machine.save_table(path, table)
+    assert json.loads(path.read_text()) == {key: record for key, record in table.items() if str(gone) not in key}
+    assert list(path.parent.iterdir()) == [path]  # written through a staging file, replaced whole

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import platform
 from pathlib import Path
 
@@ -24,6 +26,27 @@ def slowed(kept_ms: float, now_ms: float) -> bool:
 def cache_dir() -> Path:
     """Where converted weights, cost tables and built kernels live (``MARS_DEMO_CACHE`` overrides)."""
     return settings.CACHE.read()
+
+
+def save_table(path: Path, table: dict) -> None:
+    """Write a table of measurements (key -> record; the compute paths' costs, the cost surfaces) as JSON, atomically:
+    a process beside this one reads the old table or the new one, never half. Entries measured for a model loaded
+    from a folder that is gone (a test's temporary model, a moved checkpoint: ``model=`` in their key) are dropped,
+    since nothing can look them up again, so such runs do not grow the table for good."""
+    kept = {key: record for key, record in table.items() if not _folder_gone(key)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + f".tmp{os.getpid()}")
+    staging.write_text(json.dumps(kept, indent=1) + "\n")
+    staging.replace(path)
+
+
+def _folder_gone(key: str) -> bool:
+    """Whether ``key`` names its model (``model=...``) by an absolute path where nothing is any more."""
+    for part in key.split("|"):
+        name, _, value = part.partition("=")
+        if name == "model" and Path(value).is_absolute() and not Path(value).exists():
+            return True
+    return False
 
 
 def _cpuinfo(field: str) -> str | None:

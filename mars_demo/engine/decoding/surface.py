@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..backends.base import Backend
-from ..machine import CHECK_CONTEXT, CHECK_ROUNDS, cache_dir, slowed
+from ..machine import CHECK_CONTEXT, CHECK_ROUNDS, cache_dir, save_table, slowed
 from .acceptance import greedy_confidence
 
 if TYPE_CHECKING:
@@ -230,10 +229,7 @@ def cached_surface(backend: Backend, key: str, table_dir: Path) -> Surface:
             return kept
     surface = measure(backend)
     table[full_key] = surface.record()
-    table_dir.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + f".tmp{os.getpid()}")
-    staging.write_text(json.dumps(table, indent=1) + "\n")
-    staging.replace(path)
+    save_table(path, table)
     return surface
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -29,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .... import settings
 from ... import progress
-from ...machine import CHECK_CONTEXT, CHECK_ROUNDS, cpu_identity, cpu_model, slowed
+from ...machine import CHECK_CONTEXT, CHECK_ROUNDS, cpu_identity, cpu_model, save_table, slowed
 from .. import backend_for, cpu_engine_runs
 from . import int8gemm, native, native_layers, rowattn
 from .calibration import calibration_texts, smoothing_ranges, token_ids
@@ -213,13 +212,6 @@ def _read_table(path: Path) -> dict:
         return {}
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + f".tmp{os.getpid()}")
-    staging.write_text(text)
-    staging.replace(path)  # a process beside this one reads the old table or the new one, never half
-
-
 # -- auto: measure only what can win ---------------------------------------------------------------
 def dominated(first_ms: float, curve: dict[int, float]) -> bool:
     """Whether a path whose one-token pass costs ``first_ms`` loses to ``curve`` at every width.
@@ -361,7 +353,7 @@ def select(
         entry = survey(paths, widths, candidates.curve, candidates.dnll)
         key, table = table_key(model, widths), _read_table(table_dir / TABLE_FILE)
         table[key] = {**table.get(key, {}), **entry}  # another process may have measured other paths meanwhile
-        _write_atomically(table_dir / TABLE_FILE, json.dumps(table, indent=1) + "\n")
+        save_table(table_dir / TABLE_FILE, table)
         found = _chosen(table[key], precision, paths, rows=rows, block_size=block_size,
                         rate=rate, cached=False)
         converted = candidates.keep_only(found.path)
@@ -388,5 +380,5 @@ def checked_curve(model: PreTrainedModel, found: ComputePath, key: str, widths: 
     table = _read_table(table_dir / TABLE_FILE)
     if found.path in table.get(key, {}):
         table[key][found.path]["costs_ms"] = costs
-        _write_atomically(table_dir / TABLE_FILE, json.dumps(table, indent=1) + "\n")
+        save_table(table_dir / TABLE_FILE, table)
     return replace(found, costs_ms=costs, max_fed=cap_from_costs(costs))
