@@ -22,8 +22,8 @@ from ..engine.decoding.config import VERIFYING_MODES
 from ..engine.decoding.surface import read_surface, surface_for
 from ..engine.serving.policies import DEFAULT_LADDER, POLICY_HELP, mode_of, parse_policy, split_policies
 from ..engine.serving.replay import ARRIVALS, LIMITS, SimConfig
-from ..research.benchmark import row_exact
 from ..research.distillation import read_prompts
+from ..research.machine_record import row_exact
 from ..research.simulation import CLOCKS, clock_surface, model_cost, simulate
 
 HELP = "simulate serving: seeded arrivals, continuous batching, tau policies compared (latency, throughput, quality)"
@@ -105,7 +105,7 @@ def given_surface(args: argparse.Namespace) -> tuple | None:
 
 def lossless_drift(summaries: list[dict], mode: str, exact: bool) -> list[str]:
     """Exact mode gives greedy AR's text whatever the policy and the batch a request shared: where each row is
-    computed alone (``exact``: benchmark.row_exact), the exact-mode policies (``mode``, or their own "@exact")
+    computed alone (``exact``: machine_record.row_exact), the exact-mode policies (``mode``, or their own "@exact")
     whose requests' texts differ from fixed:1.0's."""
     if not exact:
         return []
@@ -114,7 +114,7 @@ def lossless_drift(summaries: list[dict], mode: str, exact: bool) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..research.benchmark import machine
+    from ..research.machine_record import machine
     from ..research.simulation_report import format_totals, pio, write_report
 
     config = parse_config(args)  # every value checked before the model loads

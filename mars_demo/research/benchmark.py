@@ -28,8 +28,6 @@ slows them alike (``run_group``).
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,13 +35,9 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 
 import torch
-import transformers
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .. import settings
-from ..engine.backends.cpu import int8gemm
-from ..engine.backends.cpu.backend import CpuBackend
 from ..engine.decoding.batch import BatchEvent, collect_batch, stream_batch_ids
 from ..engine.decoding.batch.rows import left_pad
 from ..engine.decoding.chat import pad_id, prompt_ids
@@ -51,11 +45,11 @@ from ..engine.decoding.commit import commit_tokens
 from ..engine.decoding.config import DecodeConfig, check_tau, resolve_max_fed
 from ..engine.decoding.loop import collect, eos_ids, stream_ids
 from ..engine.decoding.metrics import agreement, exact_match, per_forward, per_second, speedup
-from ..engine.decoding.surface import known_surface, surface_for
-from ..engine.machine import cpu_identity, cpu_model
+from ..engine.decoding.surface import surface_for
 from ..engine.model import LoadedModel
 from . import llama_cpp
 from .evaluation import Scorer, pooled_nll
+from .machine_record import machine, row_exact
 from .profile import profile_passes, sync
 
 logger = logging.getLogger(__name__)
@@ -276,39 +270,6 @@ def run_job(
 def nll_per_token(scorer: Scorer, outputs: list[list[int]]) -> float:
     """Teacher-forced NLL per token of all outputs, token-weighted over prompts (evaluation.py's definition)."""
     return pooled_nll([scorer(i, out) for i, out in enumerate(outputs)])
-
-
-def machine(lm: LoadedModel) -> dict:
-    """The machine and software the numbers were taken on."""
-    model, backend, compute = lm.model, lm.backend, lm.compute
-    desc = {
-        "cpu": cpu_model(),
-        "cpu_identity": cpu_identity(),  # what the cost tables and surfaces are kept under (machine.cpu_identity)
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_num_threads": settings.OMP_NUM_THREADS.read(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(model.device),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "backend": type(backend).__name__,
-        "attention": backend.lean.attention if isinstance(backend, CpuBackend) else model.config._attn_implementation,
-        # prefills start from stored prompt prefixes (backends/cpu/prefixes.py): every method alike
-        "prefix_reuse": isinstance(backend, CpuBackend) and backend.prefixes is not None,
-        "compute_path": compute.record() if compute is not None else None,
-        "cost_surface": surface.record() if (surface := known_surface(lm)) is not None else None,
-        "int8_gemm": int8gemm.record(),  # its tiles and prefetches, timed at load: tables depend on them
-    }
-    if model.device.type == "cuda":
-        desc["gpu"] = torch.cuda.get_device_name(model.device)
-    return desc
-
-
-def row_exact(lm: LoadedModel) -> bool:
-    """Whether each row of a pass is computed alone here: the CPU engine on a path other than fp32."""
-    return isinstance(lm.backend, CpuBackend) and lm.compute is not None and lm.compute.path != "fp32"
 
 
 def drifted(runs: list[dict], exact: bool) -> list[dict]:

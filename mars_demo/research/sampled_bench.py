@@ -29,8 +29,9 @@ from ..engine.decoding.chat import prompt_ids
 from ..engine.decoding.config import DecodeConfig, resolve_max_fed
 from ..engine.decoding.metrics import per_forward, per_second, speedup
 from ..engine.decoding.sampling import Sampling
-from .benchmark import BenchConfig, Outcome, machine, nll_per_token, run_single
+from .benchmark import BenchConfig, Outcome, nll_per_token, run_single
 from .evaluation import Scorer
+from .machine_record import machine
 
 logger = logging.getLogger(__name__)
 
