@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -89,6 +90,8 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     (["--temperature", "0.7", "--top-k", "-1"], "top-k"),
     (["--temperature", "0.7", "--seeds", "1,x"], "--seeds"),
     (["--temperature", "0.7", "--methods", "hf_generate,mars_batch"], "at a temperature bench runs"),
+    (["--repeats", "0"], "repeats must be"),
+    (["--temperature", "0.7", "--methods", "mars", "--repeats", "2"], "--repeats is for greedy runs"),
 ])
 def test_bad_input_is_one_line_exit_2(prompts_file, flags, message, monkeypatch, capsys):
     monkeypatch.setattr(bench_command, "load_model", lambda *a, **k: pytest.fail("loaded a model on bad input"))
@@ -230,3 +233,39 @@ def test_a_batchs_tail_is_the_time_in_passes_with_fewer_rows_than_it_began_with(
     whole.add(part)
     whole.add(part)
     assert whole.tail_seconds / whole.decoding_seconds == pytest.approx(0.5)
+
+
+def test_repeats_go_over_the_prompts_again_in_turns_and_each_times_speedup_is_reported(monkeypatch):
+    """--repeats: the turns rotate on through every time over the prompts; tok/s counts every time's tokens and
+    seconds, the outputs are the first time's, and each time's speedup over the same AR run is reported."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def fake_run_job(lm, job, prompts, config, max_new, tick=None):
+        calls.append(job.method)
+        fast = job.method == "mars" and len(calls) > 6  # mars runs faster in the second time over the prompts
+        return Outcome(outputs=[[p[0]] * 4 for p in prompts], row_passes=[4] * len(prompts), forward_passes=4,
+                       seconds=0.5 if fast else 1.0)
+
+    monkeypatch.setattr(benchmark, "run_job", fake_run_job)
+    config = BenchConfig(taus=(1.0,), batch_sizes=(1,), methods=("mars",), warmup_tokens=3, repeats=2)
+    group = benchmark.interleaved(plan(config))[0]
+    outcomes = benchmark.run_group(None, group, [[10], [11]], config)
+    # after the warm-ups: each chunk's turn rotates, one place further the second time (ar is not always first on
+    # the first chunk)
+    assert calls[2:] == ["ar", "mars", "mars", "ar", "mars", "ar", "ar", "mars"]
+    scorer = lambda i, out: SimpleNamespace(total=0.0, tokens=len(out))
+    runs = []
+    for job in group:
+        outcome = outcomes[job]
+        assert [row[0] for row in outcome.outputs] == [10, 11] and outcome.forward_passes == 8  # the first time's
+        assert [sec for sec, _ in outcome.repeats] == ([2.0, 2.0] if job.method == "ar" else [2.0, 1.0])
+        runs.append(benchmark.summarise(job, outcome, outcomes[group[0]].outputs, scorer, 0.0))
+    add_speedups(runs)
+    ar, mars = runs
+    assert ar["tokens"] == 8 and ar["tokens_per_second"] == 4.0 and ar["repeat_tokens_per_second"] == [4.0, 4.0]
+    assert mars["tokens_per_second"] == pytest.approx(16 / 3, abs=1e-3) and mars["agreement"] == 1.0
+    assert mars["speedup_by_repeat"] == [1.0, 2.0] and mars["speedup_range"] == [1.0, 2.0]
+    once = benchmark.run_group(None, group, [[10], [11]], replace(config, repeats=1))
+    assert "repeat_tokens_per_second" not in benchmark.summarise(group[1], once[group[1]], [], scorer, 0.0)

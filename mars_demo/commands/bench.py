@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="CUDA: MARS and AR passes on a static KV cache through torch.compile (CUDA graphs); "
                         "run once with and once without to compare")
+    parser.add_argument("--repeats", type=int, default=DEFAULTS.repeats,
+                        help="go over the prompts this many times, the methods taking turns throughout: tok/s over "
+                        "all of them, and each time's speedup (speedup_range) to show how far one run's ratios move")
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also decode our AR on the fp32 path and add each batch-1 run's agreement with it "
                         "(agreement_fp32): llama.cpp's quantised weights beside ours")
@@ -102,7 +105,7 @@ def parse_config(args: argparse.Namespace) -> BenchConfig:
             taus=taus, batch_sizes=batch_sizes, block_size=args.block_size,
             max_new_tokens=args.max_new_tokens, methods=tuple(_csv(args.methods)), max_fed=args.max_fed,
             tree=getattr(args, "tree", None),
-            fp32_reference=getattr(args, "fp32_reference", False),
+            fp32_reference=getattr(args, "fp32_reference", False), repeats=getattr(args, "repeats", 1),
         )
     except ValueError as err:
         raise UserError(str(err)) from None
@@ -127,6 +130,8 @@ def command_line(args: argparse.Namespace, config: BenchConfig) -> str:
         parts.append("--compile")
     if config.fp32_reference:
         parts.append("--fp32-reference")
+    if config.repeats > 1:
+        parts += ["--repeats", str(config.repeats)]
     sampling, seeds = parse_sampling(args)
     if not sampling.greedy:
         parts += ["--temperature", f"{sampling.temperature:g}", "--top-p", f"{sampling.top_p:g}",
@@ -159,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     sampled = not parse_sampling(args)[0].greedy
     if sampled:
         plan_sampled(config)  # refuses a list of greedy-only methods now, not after the load
+        if config.repeats > 1:
+            raise UserError("--repeats is for greedy runs; a sampled bench goes over the prompts once a seed (--seeds)")
     if not args.prompts.is_file():
         raise UserError(f"prompts file not found: {args.prompts}")
     prompts = read_prompts(args.prompts)

@@ -81,12 +81,15 @@ class BenchConfig:
     max_fed: int | str | None = "auto"  # single-sequence MARS only; see DecodeConfig
     fp32_reference: bool = False  # add agreement_fp32: each batch-1 run against our AR on the fp32 path
     tree: str | None = None  # mars_exact only (one sequence): candidate trees; see DecodeConfig
+    repeats: int = 1  # times over the prompts, in turns (run_group): speed over all of them, and each one's speedup
 
     def __post_init__(self) -> None:
         if not self.taus:
             raise ValueError("give at least one tau")
         for tau in self.taus + (self.profile_tau,):
             check_tau(tau)
+        if int(self.repeats) != self.repeats or self.repeats < 1:
+            raise ValueError(f"repeats must be an integer of at least 1, got {self.repeats}")
         if not self.batch_sizes or any(int(b) != b or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be integers of at least 1, got {self.batch_sizes}")
         unknown = set(self.methods) - set(KNOWN)
@@ -115,12 +118,19 @@ class Outcome:
     passes: dict[int, list] = field(default_factory=dict)  # batch decoders: columns fed a row -> [passes, s, tokens]
     decoding_seconds: float = 0.0  # batch decoders: decoding passes' seconds, and those of passes with fewer rows
     tail_seconds: float = 0.0  # than the batch began with (a static batch waiting on its last rows)
+    repeats: list[list] = field(default_factory=list)  # run_group: [seconds, tokens] of each time over the prompts
 
-    def add(self, part: Outcome) -> None:
-        """Append ``part``, the same job over the next prompts."""
-        self.outputs += part.outputs
-        self.row_passes += part.row_passes
-        self.forward_passes += part.forward_passes
+    def add(self, part: Outcome, repeat: int = 0) -> None:
+        """Append ``part``, the same job over the next prompts in time over them ``repeat``. Only the first time's
+        outputs and passes a row was live for are kept (a repeat decodes the same prompts again); every time's
+        seconds and tokens count."""
+        if repeat == 0:
+            self.outputs += part.outputs
+            self.row_passes += part.row_passes
+            self.forward_passes += part.forward_passes
+        self.repeats += [[0.0, 0] for _ in range(repeat + 1 - len(self.repeats))]
+        self.repeats[repeat][0] += part.seconds
+        self.repeats[repeat][1] += sum(map(len, part.outputs))
         self.seconds += part.seconds
         self.decoding_seconds += part.decoding_seconds
         self.tail_seconds += part.tail_seconds
@@ -290,6 +300,7 @@ def drift_message(off: list[dict], path: str) -> str:
 
 def summarise(job: Job, outcome: Outcome, reference: list[list[int]], scorer: Scorer, ref_nll: float) -> dict:
     tokens = sum(map(len, outcome.outputs))
+    timed = sum(n for _, n in outcome.repeats) if outcome.repeats else tokens  # every time over the prompts
     nll = nll_per_token(scorer, outcome.outputs)
     return {
         "method": job.method,
@@ -299,7 +310,9 @@ def summarise(job: Job, outcome: Outcome, reference: list[list[int]], scorer: Sc
         "prompts": len(outcome.outputs),
         "tokens": tokens,
         "seconds": round(outcome.seconds, 4),
-        "tokens_per_second": round(per_second(tokens, outcome.seconds), 3),
+        "tokens_per_second": round(per_second(timed, outcome.seconds), 3),
+        **({"repeat_tokens_per_second": [round(per_second(n, sec), 3) for sec, n in outcome.repeats]}
+           if len(outcome.repeats) > 1 else {}),
         "forward_passes": outcome.forward_passes,
         "tokens_per_forward": round(per_forward(tokens, sum(outcome.row_passes)), 4),
         "nll_self": round(nll, 5),
@@ -328,6 +341,10 @@ def add_speedups(runs: list[dict]) -> None:
         gain = speedup(run["tokens_per_second"], best["tokens_per_second"]) if ok else None
         run["speedup"] = round(gain, 4) if gain is not None else (0.0 if ok else None)
         run["speedup_over"] = best["method"] if ok else None
+        mine, theirs = run.get("repeat_tokens_per_second"), best and best.get("repeat_tokens_per_second")
+        if ok and mine and theirs and len(mine) == len(theirs) and all(theirs):  # each time over the prompts alone
+            ratios = [round(speedup(a, b), 4) for a, b in zip(mine, theirs)]
+            run["speedup_by_repeat"], run["speedup_range"] = ratios, [min(ratios), max(ratios)]
 
 
 def interleaved(jobs: list[Job]) -> list[list[Job]]:
@@ -346,16 +363,21 @@ def run_group(
     Each chunk of ``batch_size`` prompts runs every job before the next chunk starts, the first job
     of the turn rotating, so a machine whose speed drifts (a shared VM: 15% within a session here)
     slows every method alike instead of the ones that happened to run late. Every job is warmed
-    up first, untimed.
+    up first, untimed. With ``config.repeats`` above one the prompts are gone over that many times, the
+    turns rotating on, one place further each time, so that a job does not run in the same place on a chunk every
+    time (two jobs over two chunks would: the first job first on the first chunk, always). At 8 rows 16 prompts
+    are only two turns, and one run's ratios move by +-5-10%.
     """
     size = group[0].batch_size
     for job in group:
         run_job(lm, job, prompts[:size], config, config.warmup_tokens)
     outcomes = {job: Outcome() for job in group}
-    for turn, chunk in enumerate(_chunks(prompts, size)):
-        first = turn % len(group)
+    chunks = list(_chunks(prompts, size))
+    for turn in range(config.repeats * len(chunks)):
+        first = (turn + turn // len(chunks)) % len(group)  # shifted each repeat: a job's place on a chunk moves
         for job in group[first:] + group[:first]:
-            outcomes[job].add(run_job(lm, job, chunk, config, config.max_new_tokens, tick))
+            part = run_job(lm, job, chunks[turn % len(chunks)], config, config.max_new_tokens, tick)
+            outcomes[job].add(part, repeat=turn // len(chunks))
     return outcomes
 
 
@@ -373,7 +395,7 @@ def run_benchmark(lm: LoadedModel, prompts: list[str], config: BenchConfig = Ben
     scorer = Scorer(lm.backend, ids)
     if config.max_fed == "auto" and any(b > 1 for b in config.batch_sizes):
         surface_for(lm)  # measured (or read) before any run is timed
-    bar = tqdm(total=len(jobs) * len(ids), desc="bench", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(jobs) * len(ids) * config.repeats, desc="bench", unit="prompt", disable=not progress)
     for group in interleaved(jobs):
         bar.set_postfix_str(f"{len(group)} methods b={group[0].batch_size}")
         outcomes.update(run_group(lm, group, ids, config, bar.update))

@@ -28,6 +28,7 @@ COLUMNS = (  # (key, header, format)
     ("forward_passes", "passes", "{}"),
     ("tokens", "tokens", "{}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("speedup_range", "by repeat", "{0[0]:.2f}-{0[1]:.2f}"),  # bench --repeats only
     ("tail_share", "tail", "{:.2f}"),  # our batch decoders only
     ("delta_nll_self", "dNLL self", "{:+.3f}"),
     ("agreement", "agree", "{:.3f}"),
