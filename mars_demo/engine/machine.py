@@ -1,4 +1,5 @@
-"""Facts of the machine that other modules key their caches by: where caches live, the CPU model."""
+"""Facts of the machine that other modules key their caches by: where caches live (and how their measurement
+tables are written), the CPU model."""
 
 from __future__ import annotations
 

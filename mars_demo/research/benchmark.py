@@ -19,7 +19,7 @@ surface (decoding/width.py; ``--max-fed none`` feeds the full window), recorded 
 Figures per run: tokens_per_second, tokens_per_forward, speedup (over the faster AR run at the
 same batch size, named in ``speedup_over``), delta_nll_self and agreement, as decoding/metrics.py
 defines them, against our AR's outputs on the same backend and path (BENCHMARKS.md, "Columns"; docs/cli.md,
-"bench", for how ``generate`` is compared); our batch decoders' add ``passes_by_fed`` and ``tail_share``.
+"bench", for how ``generate`` is compared); our batch decoders' runs add ``passes_by_fed`` and ``tail_share``.
 Each run is warmed up (same code path, first prompts, a few tokens) before it is timed. The runs of
 one batch size take turns prompt by prompt (batch by batch), so a drift in the machine's speed
 slows them alike (``run_group``).
@@ -121,9 +121,9 @@ class Outcome:
     repeats: list[list] = field(default_factory=list)  # run_group: [seconds, tokens] of each time over the prompts
 
     def add(self, part: Outcome, repeat: int = 0) -> None:
-        """Append ``part``, the same job over the next prompts in time over them ``repeat``. Only the first time's
-        outputs and passes a row was live for are kept (a repeat decodes the same prompts again); every time's
-        seconds and tokens count."""
+        """Append ``part``: the same job over the next prompts, in time ``repeat`` over them (run_group). Only the
+        first time's outputs and passes a row was live for are kept (a repeat decodes the same prompts again);
+        every time's seconds and tokens count."""
         if repeat == 0:
             self.outputs += part.outputs
             self.row_passes += part.row_passes
