@@ -240,7 +240,7 @@ class WidthController:
 
     ROW_DECAY = 0.95  # a row's own share follows its last tens of passes
     POOLED_DECAY = 0.99  # the batch's, its last hundreds of row passes
-    RECHECK = 8  # idle passes of a row after which a choice of width 1 that nothing came near is made again
+    RECHECK = 8  # passes over which a choice of width 1 that nothing came near stands before it is made again
 
     def __init__(self, surface: Surface | None, most: int, *, verifying: bool = False) -> None:
         self.surface, self.most = surface, max(int(most), 1)
@@ -251,7 +251,9 @@ class WidthController:
         kind = "verify" if verifying else "window"
         self.prices: Prices = shared.setdefault(("prices", kind), Prices())  # the surface against the passes seen
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
-        self.settled: tuple | None = None  # what the last width-1 choice that no width came near was made on
+        self.settled: tuple[int, float, int] | None = None  # (rows, tau, shown) of a width-1 choice nothing came near
+        self.quiet = 0  # passes it still stands for
+        self.shown = 0  # row passes that offered candidates (``observe``)
 
     def new_row(self, tau: float) -> Hits:
         """A row's acceptance, started from (and relaxing back to) what the batch's rows have shown at this tau."""
@@ -261,6 +263,7 @@ class WidthController:
     def observe(self, row: Hits, tau: float, offered: int, extra: int) -> None:
         row.observe(offered, extra)
         if offered:  # the pooled share learns from masks offered; a row's idle pass shows nothing about them
+            self.shown += 1
             self.pooled.setdefault(round(tau, 4), Hits(self.most - 1, self.POOLED_DECAY)).observe(offered, extra)
 
     def rates(self, rows: Sequence[Hits], caps: Sequence[int]) -> dict[int, float]:
@@ -319,12 +322,13 @@ class WidthController:
         """The width of the next pass: 1 at tau = 1.0, else the best rate; in a prefill (``fed``: the longest
         prompt) the masks that are worth more than they add (``prefill``; ``joins``: running rows these join).
 
-        Where width 1 won and no width promised GAIN, the choice stands for the next passes over the same rows at
-        the same tau until a row has shown something, a row has idled RECHECK passes (its share has relaxed
-        since), the wide / one-token price ratio (``passed``) has moved by a tenth or a price has come due a look
-        (``settle``, which takes a look where it comes near): reading every row's acceptance every pass is host
-        work that a plain AR pass otherwise does not pay, and at 8 rows on a small CPU wide passes often price
-        within GAIN of one-token ones, pass after pass.
+        Where width 1 won and no width promised GAIN, the choice stands for the next RECHECK - 1 passes over as
+        many rows at the same tau until a row shows something (a prefill's masks), as a verifying batch's plain
+        pass does (batch/token.py): a row fed one token shows nothing about its masks, and reading every row's
+        acceptance every pass is host work that a plain AR pass does not pay (run after the native layers, with
+        the host's caches cold, it made a MARS batch of AR's passes measurably slower than batched AR). Meanwhile
+        the rows' shares relax toward where they started and a price may come due a look (``settle``); the next
+        choice reads both.
         """
         if tau >= 1.0 or not rows:
             self.last = (1, 1.0)
@@ -332,24 +336,17 @@ class WidthController:
             self.last = (self.most, math.inf)
         elif fed is not None:
             self.last = self.prefill(rows, caps, fed, joins)
-        elif not self._settled(rows, tau):
+        elif self.quiet and self.settled == (len(rows), tau, self.shown):
+            self.quiet -= 1
+        else:
             rates = self.rates(rows, caps)
             wide = max((w for w in rates if w > 1), key=lambda w: (rates[w], -w), default=1)
             gain = rates[wide] / rates[1]
             best = wide if wide > 1 and self.settle(len(rows), gain) else 1
             self.last = (best, rates[best] / rates[1])
-            self.settled = None if best > 1 or gain >= GAIN else self._standing(rows, tau)
+            stands = best == 1 and gain < GAIN
+            self.settled, self.quiet = ((len(rows), tau, self.shown), self.RECHECK - 1) if stands else (None, 0)
         return self.last[0]
-
-    def _standing(self, rows: Sequence[Hits], tau: float) -> tuple:
-        """What a width-1 choice is made on (``choose``): the rows, tau, what the rows showed, the price ratio and
-        whether a price is due a look."""
-        scale, n = self.prices.of(len(rows)), len(rows)
-        return n, tau, sum(h.seen for h in rows), round(math.log(scale[True] / scale[False]), 1), self.prices.due(n)
-
-    def _settled(self, rows: Sequence[Hits], tau: float) -> bool:
-        """Whether the last width-1 choice stands for these rows (``choose``)."""
-        return self.settled == self._standing(rows, tau) and all(h.idle < self.RECHECK for h in rows)
 
     def prefill(self, rows: Sequence[Hits], caps: Sequence[int], fed: int, joins: int = 0) -> tuple[int, float]:
         """(width, gain) of a prefill of ``fed`` columns: its masks are a one-off, each worth the tokens it is
