@@ -687,3 +687,18 @@ def test_exact_batches_without_fallback_masks_are_greedy_ar(tiny_lm, monkeypatch
     ar, _ = _batch(tiny_lm, ids, 1.0)
     out, _ = _batch(tiny_lm, ids, 1.0, surface=no_fallback, verifying=True)
     assert False in seen and out == ar
+
+
+def test_a_policys_gain_stands_for_recheck_questions_or_until_a_row_shows_something():
+    gentle = Surface.from_cost(lambda r, w: 5.0 + 0.2 * r * w, rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(gentle, 4)
+    first = controller.gain(2, 0.9)
+    assert first > 1.0  # the prior's one in two pays on this gentle surface
+    for _ in range(40):  # wide passes turn out to cost four times their price: a gain read now would be none
+        controller.passed(2, 3, 4 * gentle.ms(2, 3) / 1000)
+    answers = [controller.gain(2, 0.9) for _ in range(WidthController.RECHECK)]
+    assert answers[:-1] == [first] * (WidthController.RECHECK - 1) and answers[-1] == 1.0  # then read again
+    for _ in range(20):  # every mask holds (shown through observe): the next question reads it at once
+        controller.observe(controller.new_row(0.9), 0.9, 3, 3)
+        controller.passed(2, 3, gentle.ms(2, 3) / 1000)  # and wide passes cost their price again
+    assert controller.gain(2, 0.9) > 1.0

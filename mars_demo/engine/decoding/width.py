@@ -254,6 +254,7 @@ class WidthController:
         self.settled: tuple[int, float, int] | None = None  # (rows, tau, shown) of a width-1 choice nothing came near
         self.quiet = 0  # passes it still stands for
         self.shown = 0  # row passes that offered candidates (``observe``)
+        self.gains: dict[tuple[int, float], tuple[float, int, int]] = {}  # (rows, tau) -> (gain, shown, stands for)
 
     def new_row(self, tau: float) -> Hits:
         """A row's acceptance, started from (and relaxing back to) what the batch's rows have shown at this tau."""
@@ -369,18 +370,25 @@ class WidthController:
     def gain(self, rows: int, tau: float) -> float:
         """How much faster than width 1 the best width is expected to be at ``rows`` rows and ``tau``.
 
-        From the pooled acceptance at that tau (the prior where none was seen). inf without a surface.
+        From the pooled acceptance at that tau (the prior where none was seen). inf without a surface. A serving
+        policy asks before every pass; as a width-1 choice (``choose``), the answer stands for the next RECHECK - 1
+        questions at the same rows and tau, or until a row shows something.
         """
         if self.surface is None:
             return math.inf
         if tau >= 1.0 or rows < 1:
             return 1.0
-        hits = self.pooled.get(round(tau, 4)) or Hits(self.most - 1)
-        every = [hits] * rows
-        caps = [self.most] * rows
-        rates = self.rates(every, caps)
+        key, shown = (rows, round(tau, 4)), self.shown
+        known = self.gains.get(key)
+        if known is not None and known[1] == shown and known[2] > 0:
+            self.gains[key] = (known[0], shown, known[2] - 1)
+            return known[0]
+        hits = self.pooled.get(key[1]) or Hits(self.most - 1)
+        rates = self._rates([hits.reach(self.most)] * rows, [self.most] * rows)
         gain = max(rates.values()) / rates[1]
-        return gain if gain >= GAIN else 1.0
+        gain = gain if gain >= GAIN else 1.0
+        self.gains[key] = (gain, shown, self.RECHECK - 1)
+        return gain
 
     def why(self) -> str:
         """One line: the width chosen last and the reason."""
