@@ -71,14 +71,12 @@ class Hits:
         self.start = start or ([self.PRIOR[0]] * depth, [self.PRIOR[1]] * depth)
         self.held, self.tried = list(self.start[0]), list(self.start[1])
         self.idle = 0  # passes that offered nothing, not yet applied (a pass of plain AR costs no host work here)
-        self.seen = 0  # passes that offered something: a controller's memo of its last choice reads it
 
     def observe(self, offered: int, extra: int) -> None:
         """A pass offered ``offered`` candidates past the AR token and the first ``extra`` of them held."""
         if offered < 1:
             self.idle += 1
             return
-        self.seen += 1
         self._relax()
         if self.decay < 1:
             self.held = [h * self.decay for h in self.held]
