@@ -216,6 +216,24 @@ def _start_from(pooled: Hits, depth: int) -> tuple[list[float], list[float]]:
     return [t * pooled.share(j) for j, t in enumerate(tried)], tried
 
 
+class Standing:
+    """An answer that stands for the next ``times`` questions asked on the same footing (``on``): the controller's
+    width-1 choices and a policy's gain (``WidthController.choose``, ``gain``)."""
+
+    def __init__(self) -> None:
+        self.on, self.answer, self.left = None, None, 0
+
+    def get(self, on: tuple):
+        """The answer, where it still stands for ``on`` (one question fewer left), else None."""
+        if self.left and self.on == on:
+            self.left -= 1
+            return self.answer
+        return None
+
+    def set(self, on: tuple, answer, times: int) -> None:
+        self.on, self.answer, self.left = on, answer, times
+
+
 class WidthController:
     """Chooses each pass's width (module docstring) and keeps what it chose and why.
 
@@ -249,10 +267,8 @@ class WidthController:
         kind = "verify" if verifying else "window"
         self.prices: Prices = shared.setdefault(("prices", kind), Prices())  # the surface against the passes seen
         self.last: tuple[int, float] = (self.most, 1.0)  # (width, expected gain over width 1)
-        self.settled: tuple[int, float, int] | None = None  # (rows, tau, shown) of a width-1 choice nothing came near
-        self.quiet = 0  # passes it still stands for
-        self.shown = 0  # row passes that offered candidates (``observe``)
-        self.gains: dict[tuple[int, float], tuple[float, int, int]] = {}  # (rows, tau) -> (gain, shown, stands for)
+        self.shown = 0  # row passes that offered candidates (``observe``): what a standing answer is given on
+        self.narrow, self.gains = Standing(), Standing()  # a width-1 choice nothing came near; a policy's gain
 
     def new_row(self, tau: float) -> Hits:
         """A row's acceptance, started from (and relaxing back to) what the batch's rows have shown at this tau."""
@@ -335,16 +351,13 @@ class WidthController:
             self.last = (self.most, math.inf)
         elif fed is not None:
             self.last = self.prefill(rows, caps, fed, joins)
-        elif self.quiet and self.settled == (len(rows), tau, self.shown):
-            self.quiet -= 1
-        else:
+        elif self.narrow.get((len(rows), tau, self.shown)) is None:
             rates = self.rates(rows, caps)
             wide = max((w for w in rates if w > 1), key=lambda w: (rates[w], -w), default=1)
             gain = rates[wide] / rates[1]
             best = wide if wide > 1 and self.settle(len(rows), gain) else 1
             self.last = (best, rates[best] / rates[1])
-            stands = best == 1 and gain < GAIN
-            self.settled, self.quiet = ((len(rows), tau, self.shown), self.RECHECK - 1) if stands else (None, 0)
+            self.narrow.set((len(rows), tau, self.shown), 1, self.RECHECK - 1 if best == 1 and gain < GAIN else 0)
         return self.last[0]
 
     def prefill(self, rows: Sequence[Hits], caps: Sequence[int], fed: int, joins: int = 0) -> tuple[int, float]:
@@ -376,16 +389,14 @@ class WidthController:
             return math.inf
         if tau >= 1.0 or rows < 1:
             return 1.0
-        key, shown = (rows, round(tau, 4)), self.shown
-        known = self.gains.get(key)
-        if known is not None and known[1] == shown and known[2] > 0:
-            self.gains[key] = (known[0], shown, known[2] - 1)
-            return known[0]
-        hits = self.pooled.get(key[1]) or Hits(self.most - 1)
+        on = (rows, round(tau, 4), self.shown)
+        if (known := self.gains.get(on)) is not None:
+            return known
+        hits = self.pooled.get(on[1]) or Hits(self.most - 1)
         rates = self._rates([hits.reach(self.most)] * rows, [self.most] * rows)
         gain = max(rates.values()) / rates[1]
         gain = gain if gain >= GAIN else 1.0
-        self.gains[key] = (gain, shown, self.RECHECK - 1)
+        self.gains.set(on, gain, self.RECHECK - 1)
         return gain
 
     def why(self) -> str:
