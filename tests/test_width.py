@@ -25,12 +25,13 @@ import torch
 from mars_demo.engine.decoding import exact
 from mars_demo.engine.decoding import surface as surface_module
 from mars_demo.engine.decoding.batch import collect_batch, decode_batch, stream_batch
+from mars_demo.engine.decoding.batch.token import TokenBatch
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.exact import DraftDepth
 from mars_demo.engine.decoding.loop import LiveTau, eos_ids
 from mars_demo.engine.decoding.surface import Surface, affordable_rate, cached_surface, measure
-from mars_demo.engine.decoding.width import Hits, Prices, WidthController
+from mars_demo.engine.decoding.width import GAIN, NEAR, Hits, Prices, WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import Load, parse_policy
 
@@ -610,6 +611,28 @@ def test_a_price_gone_unmeasured_is_looked_at_once_where_its_kind_comes_near():
     for _ in range(Prices.STALE + 1):
         linear.passed(2, 1, steep.ms(2, 1) / 1000)
     assert linear.prices.due(2) is True and linear.choose(rows, [9] * 2, 0.9) == 1
+
+
+def test_a_plain_verifying_pass_stands_where_a_due_look_would_only_draft_at_a_dear_first_pass(tiny_llama, monkeypatch):
+    # two rows, the prior's one draft in two: a draft's layout promises ~0.98x plain passes' rate, near enough for a
+    # look, but after plain passes no row has drafts, and the look's first pass (drafting only) costs 0.28 more
+    near = Surface.from_cost(lambda r, w: 5.0 + 0.7 * r * (w - 1), rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(near, 4, verifying=True)
+    batch = TokenBatch(
+        tiny_llama.backend, _ids(tiny_llama)[:2], DecodeConfig(mode="exact", max_new_tokens=NEW), block_size=4,
+        mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id, controller=controller,
+    )
+    batch.passes = 1  # past the prefill, which is priced apart
+    controller.prices.runs[2] = (False, Prices.STALE)  # one-token passes only for STALE passes: the wide price is due
+    weighed, layout = [], batch.depths.layout
+    monkeypatch.setattr(batch.depths, "layout", lambda kinds: weighed.append(kinds) or layout(kinds))
+    chosen = [batch._layout(1.0).depth for _ in range(WidthController.RECHECK + 2)]
+    best, rate, plain = batch.depths.weighed
+    assert NEAR <= rate / plain < GAIN and controller.prices.due(2) is True
+    assert chosen == [0] * len(chosen)  # no look: its first pass would only draft, at 1.28x a plain pass
+    assert len(weighed) == 2  # so the plain choice stood for RECHECK passes instead of being weighed every pass
+    batch.plain, batch.drafts[0] = None, [5]  # with a draft in hand the look's first pass verifies: it is taken
+    assert batch._layout(1.0) == best
 
 
 def test_a_batch_prices_a_draftless_row_at_the_width_its_drafting_rows_feed():

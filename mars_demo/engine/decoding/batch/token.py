@@ -28,7 +28,7 @@ from .. import exact, speculative
 from ..acceptance import accept_rows, greedy_confidence
 from ..config import VERIFYING_MODES, DecodeConfig
 from ..sampling import Sampling
-from ..width import GAIN, NEAR, Hits, WidthController
+from ..width import FIRST, GAIN, NEAR, Hits, WidthController
 from .events import BatchEvent, RowStep
 from .rows import BatchSpec, PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
@@ -293,8 +293,10 @@ class TokenBatch:
         chosen = best if self.controller.settle(rows, gain, first) else best._replace(depth=0)
         self.controller.last = (1 + chosen.depth, gain if chosen.depth else 1.0)
         # a plain pass stands for the next RECHECK passes over these rows at this tau where no layout promised GAIN
-        # and no look is due (or none came near): pricing every layout is host work that a plain pass does not pay
-        looking = self.controller.prices.due(rows) is not None and gain >= NEAR
+        # and no look is due (or none came near, or the look's draft-only first pass is dear: after plain passes no
+        # row drafts, so it stays dear while they stand): pricing every layout is host work a plain pass does not pay
+        due = self.controller.prices.due(rows)
+        looking = due is not None and gain >= NEAR and not (due and first > FIRST)
         self.plain = (rows, tau, WidthController.RECHECK) if not chosen.depth and gain < GAIN and not looking else None
         return chosen
 
