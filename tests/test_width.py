@@ -31,7 +31,7 @@ from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.exact import DraftDepth
 from mars_demo.engine.decoding.loop import LiveTau, eos_ids
 from mars_demo.engine.decoding.surface import Surface, affordable_rate, cached_surface, measure
-from mars_demo.engine.decoding.width import GAIN, NEAR, Hits, Prices, WidthController
+from mars_demo.engine.decoding.width import GAIN, NEAR, Hits, Prices, Standing, WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import Load, parse_policy
 
@@ -631,7 +631,7 @@ def test_a_plain_verifying_pass_stands_where_a_due_look_would_only_draft_at_a_de
     assert NEAR <= rate / plain < GAIN and controller.prices.due(2) is True
     assert chosen == [0] * len(chosen)  # no look: its first pass would only draft, at 1.28x a plain pass
     assert len(weighed) == 2  # so the plain choice stood for RECHECK passes instead of being weighed every pass
-    batch.plain, batch.drafts[0] = None, [5]  # with a draft in hand the look's first pass verifies: it is taken
+    batch.plain, batch.drafts[0] = Standing(), [5]  # with a draft in hand the look's first pass verifies: it is taken
     assert batch._layout(1.0) == best
 
 

@@ -218,7 +218,8 @@ def _start_from(pooled: Hits, depth: int) -> tuple[list[float], list[float]]:
 
 class Standing:
     """An answer that stands for the next ``times`` questions asked on the same footing (``on``): the controller's
-    width-1 choices and a policy's gain (``WidthController.choose``, ``gain``)."""
+    width-1 choices, a policy's gain (``WidthController.choose``, ``gain``) and a verifying batch's plain pass
+    (batch/token.py)."""
 
     def __init__(self) -> None:
         self.on, self.answer, self.left = None, None, 0

@@ -28,7 +28,7 @@ from .. import exact, speculative
 from ..acceptance import accept_rows, greedy_confidence
 from ..config import VERIFYING_MODES, DecodeConfig
 from ..sampling import Sampling
-from ..width import FIRST, GAIN, NEAR, Hits, WidthController
+from ..width import FIRST, GAIN, NEAR, Hits, Standing, WidthController
 from .events import BatchEvent, RowStep
 from .rows import BatchSpec, PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
@@ -215,7 +215,7 @@ class TokenBatch:
             block_size - 1, None, self.controller.start_drafts(block_size - 1), self.controller.draft_yields()
         )
         self.passes = 0
-        self.plain: tuple[int, float, int] | None = None  # (rows, tau, passes left) of a plain pass that stands
+        self.plain = Standing()  # a plain pass that stands, on (rows, tau) (``_layout``)
         self.joins = 0  # rows of a running batch these join after their prefill (a server's newcomers): their
         # prefill's masks and drafts are priced at the rows they will decode among
 
@@ -275,9 +275,8 @@ class TokenBatch:
         if surface is None:
             return exact.Layout(most, True)
         rows, depths = len(self.active) + (0 if self.passes else self.joins), self.depths
-        if self.plain and self.plain[:2] == (rows, tau) and self.plain[2] > 0:  # a plain pass that stands
-            self.plain = (rows, tau, self.plain[2] - 1)
-            return exact.Layout(0, True)
+        if (standing := self.plain.get((rows, tau))) is not None:
+            return standing
         # the surface's prices against the passes seen at this many rows (WidthController.passed)
         factor, widths = self.controller.prices.factor, range(1, 3 * most + 2)
         depths.costs, depths.rows = {w: surface.ms(rows, w) * factor(rows, w) for w in widths}, rows
@@ -297,7 +296,8 @@ class TokenBatch:
         # row drafts, so it stays dear while they stand): pricing every layout is host work a plain pass does not pay
         due = self.controller.prices.due(rows)
         looking = due is not None and gain >= NEAR and not (due and first > FIRST)
-        self.plain = (rows, tau, WidthController.RECHECK) if not chosen.depth and gain < GAIN and not looking else None
+        stands = not chosen.depth and gain < GAIN and not looking
+        self.plain.set((rows, tau), chosen, WidthController.RECHECK if stands else 0)
         return chosen
 
     def _window_pass(self, tau: float, origin: str | None = None) -> tuple[list[RowStep], int]:
