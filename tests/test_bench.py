@@ -66,6 +66,7 @@ def test_bench_writes_report_and_html(tmp_path, prompts_file, monkeypatch, capsy
     gemm = report["machine"]["int8_gemm"]  # how the native int8 linear tiled and prefetched in this process
     if loaded:
         assert gemm["tiling"] in int8gemm.TILINGS and gemm["prefetch"]["few_rows"] in int8gemm.PREFETCHES
+        assert gemm["amx_from_rows"] in (0, *int8gemm.AMX_ROWS)  # 0 on a CPU without AMX tiles
     else:
         assert gemm is None
     assert report["command"].startswith("python -m mars_demo bench ") and "--taus 1,0.1" in report["command"]

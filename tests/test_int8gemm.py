@@ -135,6 +135,83 @@ def test_prefetching_times_tiles_of_a_few_rows_and_of_many_apart(monkeypatch):
     assert int8gemm.prefetching.__wrapped__() == ("L1", "L2")
 
 
+def amx_switch():
+    """The library's int8_amx, typed, and the rows from which this process's timing set the tiles."""
+    loaded = int8gemm._holder()
+    loaded.int8_amx.argtypes, loaded.int8_amx.restype = [ctypes.c_int64], ctypes.c_int64
+    return loaded.int8_amx, int8gemm.amx()
+
+
+@needs_kernel
+@pytest.mark.parametrize("out, inp", [(80, 128), (37, 192), (960, 576), (7, 1536), (40, 101)])
+def test_amx_tiles_return_the_exact_integer_arithmetic_for_every_row_count(out, inp):
+    """AMX tiles (32 rows by two blocks of columns at a time) add the same integers as the vector tiles; a depth that
+    is not a multiple of 64 inputs (101) stays on the vector tiles."""
+    switch, chosen = amx_switch()
+    if not switch(1):
+        switch(chosen)
+        pytest.skip("this CPU has no AMX tiles, or Linux does not grant them")
+    weight, b = weights(out, inp)
+    linear = RowInt8Linear(weight, b)
+    try:
+        for n in (1, 2, 15, 16, 17, 31, 32, 33, 47, 70):  # one tile, two, a partial second, several sweeps
+            x = awkward_rows(n, inp, seed=n)
+            assert torch.equal(linear(x), reference(weight, b, x)), n
+    finally:
+        switch(chosen)
+
+
+class FakeAmxLibrary:
+    """A library whose int8_linear costs, on a fake clock, ``vector(rows)`` or ``tiles(rows)`` as int8_amx set."""
+
+    def __init__(self, vector, tiles, granted: bool = True) -> None:
+        self.vector, self.tiles, self.granted = vector, tiles, granted
+        self.now, self.amx_from = 0.0, 0
+        self.int8_linear = lambda x, rows, *rest: self.run(rows)
+        self.int8_amx = lambda rows: self.switch(rows)
+
+    def switch(self, rows: int) -> int:
+        self.amx_from = rows if self.granted else 0
+        return self.amx_from
+
+    def run(self, rows: int) -> int:
+        self.now += self.tiles(rows) if self.amx_from and rows >= self.amx_from else self.vector(rows)
+        return 0
+
+
+@pytest.mark.parametrize(
+    "tiles, granted, expected",
+    [
+        (lambda rows: 5.0 + 0.1 * rows, True, 8),  # dearer at 2-4 rows, cheaper from 8 on
+        (lambda rows: 0.5 if rows == 2 else 5.0 + 0.1 * rows, True, 8),  # a win at 2 rows alone is not a start
+        (lambda rows: 1.5 * rows, True, 0),  # never cheaper
+        (lambda rows: 0.1, False, 0),  # not granted: nothing timed
+    ],
+)
+def test_amx_takes_calls_from_the_fewest_rows_at_which_its_tiles_stay_faster(monkeypatch, tiles, granted, expected):
+    fake = FakeAmxLibrary(lambda rows: 1.0 * rows, tiles, granted)
+    monkeypatch.setattr(int8gemm, "_holder", lambda: fake)
+    monkeypatch.setattr(int8gemm.time, "perf_counter", lambda: fake.now)
+    assert int8gemm.amx.__wrapped__() == expected
+    assert fake.amx_from == expected  # left set as chosen
+    if not granted:
+        assert fake.now == 0.0
+
+
+@pytest.mark.parametrize("cache_bytes, streamed", [(1 << 20, 2 << 20), (None, 64 << 20), (1 << 30, 128 << 20)])
+def test_prefetching_streams_twice_the_last_level_cache_up_to_a_bound(monkeypatch, cache_bytes, streamed):
+    """Twice the cache's bytes of synthetic layers (STREAM_LEAST where the CPU does not say), at most STREAM_MOST: a
+    cache that holds a small model's weights is where a pass streams them from."""
+    fake, made = FakeLibrary(), []
+    monkeypatch.setattr(int8gemm, "_holder", lambda: fake)
+    monkeypatch.setattr(int8gemm, "last_level_cache", lambda: cache_bytes)
+    monkeypatch.setattr(int8gemm.time, "perf_counter", lambda: fake.now)
+    filled = int8gemm.Weights.filled
+    monkeypatch.setattr(int8gemm.Weights, "filled", lambda out, inp: made.append(out * inp) or filled(out, inp))
+    int8gemm.prefetching.__wrapped__()
+    assert streamed <= sum(made) < streamed + made[0]  # whole layers, the last one past the bytes asked for
+
+
 @pytest.mark.parametrize(
     "text, size",
     [("32768K", 32 << 20), ("1M", 1 << 20), ("512\n", 512), ("2G", 2 << 30), ("", None), ("big", None), ("K", None)],

@@ -44,10 +44,11 @@ def kernel():
 
 
 def tune() -> None:
-    """How the library that holds the linear tiles its rows and prefetches its weights: timed on this CPU, once a
-    process (``tiling``, ``prefetching``)."""
+    """How the library that holds the linear tiles its rows, prefetches its weights and where it multiplies on AMX
+    tiles: timed on this CPU, once a process (``tiling``, ``prefetching``, ``amx``)."""
     tiling()
     prefetching()
+    amx()
 
 
 def _holder() -> ctypes.CDLL | None:
@@ -103,6 +104,9 @@ PREFETCH_ROWS = (2, 16)
 PREFETCH_ROUNDS = 7
 STREAM_LAYER = (3072, 576)  # the synthetic layers prefetching streams: the bundled model's gate/up linear
 STREAM_LEAST = 64 << 20  # bytes streamed where the CPU does not say its last-level cache's size
+# ... and at most: where the last-level cache holds more than half of this, a small model's weights stay in it and a
+# pass streams them from there, not from memory (and twice a cache of hundreds of MB takes seconds at every load)
+STREAM_MOST = 128 << 20
 
 
 @cache
@@ -112,21 +116,21 @@ def prefetching() -> tuple[str, str] | None:
     (``set_prefetch``); tiles of one row ask into ONE_ROW_PREFETCH. None: no such library.
 
     A decoding pass streams its weights from memory layer by layer, so they are timed so: synthetic layers of
-    STREAM_LAYER's shape, twice the last-level cache's bytes in all (``machine.last_level_cache``), swept
-    PREFETCH_ROUNDS times under each choice for each kind of tile (~2-4 ms a sweep). One large layer is no
-    stand-in: the CPU's own prefetchers keep up with one long stream and not with many short ones. A tile of many
-    rows does that many dot products a line it reads, and an ask into L1 can displace what it is reading; which ask
-    is fastest differs with a tile's rows, so each kind is timed alone, at the rows PREFETCH_ROWS gives, where the
-    choices lie far enough apart to be told. One choice for every tile of several rows, timed at 8 rows where they
-    read nearly level, could settle on the slowest for 2-4 rows or for 12-32 (BENCHMARKS.md, "Many requests at
-    once"). The same bits either way."""
+    STREAM_LAYER's shape, twice the last-level cache's bytes in all (``machine.last_level_cache``; at most
+    STREAM_MOST), swept PREFETCH_ROUNDS times under each choice for each kind of tile (~2-4 ms a sweep). One large
+    layer is no stand-in: the CPU's own prefetchers keep up with one long stream and not with many short ones. A
+    tile of many rows does that many dot products a line it reads, and an ask into L1 can displace what it is
+    reading; which ask is fastest differs with a tile's rows, so each kind is timed alone, at the rows PREFETCH_ROWS
+    gives, where the choices lie far enough apart to be told. One choice for every tile of several rows, timed at 8
+    rows where they read nearly level, could settle on the slowest for 2-4 rows or for 12-32 (BENCHMARKS.md, "Many
+    requests at once"). The same bits either way."""
     loaded = _holder()
     if loaded is None or not hasattr(loaded, "int8_prefetch"):
         return None
     linear = loaded.int8_linear
     linear.argtypes, linear.restype = ARGTYPES, ctypes.c_int
     out, width = STREAM_LAYER
-    size = 2 * (last_level_cache() or STREAM_LEAST // 2)
+    size = min(2 * (last_level_cache() or STREAM_LEAST // 2), STREAM_MOST)
     layers = [Weights.filled(out, width) for _ in range(-(-size // (out * width)))]
     generator = torch.Generator().manual_seed(0)
     chosen = [ONE_ROW_PREFETCH] * len(PREFETCH_ROWS)  # as the library starts: every tile into L1
@@ -141,13 +145,48 @@ def prefetching() -> tuple[str, str] | None:
     return chosen[0], chosen[1]
 
 
+AMX_ROWS = (2, 4, 8, 12, 16, 24, 32)  # the rows a call is timed at, under the vector tiles and under AMX's
+AMX_ROUNDS = 5
+
+
+@cache
+def amx() -> int:
+    """From how many rows a call of the GEMM multiplies on AMX tiles (csrc/int8_linear.cpp's int8_amx), set in the
+    library that holds the linear; 0: never (no tiles on this CPU, Linux does not grant them, or they were slower).
+
+    Each of AMX_ROWS is timed under both, in turns (``_fastest``), on a sweep of synthetic layers of STREAM_LAYER's
+    shape, STREAM_LEAST bytes in all (a small model's weights: a pass streams them layer by layer, and the tiles'
+    loads keep up with a stream less well than the vector tiles' at a few rows); the tiles take every call from the
+    fewest rows at which they were faster there and at every larger count timed. The same bits either way (exact
+    integer sums)."""
+    loaded = _holder()
+    if loaded is None or not hasattr(loaded, "int8_amx"):
+        return 0
+    linear, choose = loaded.int8_linear, loaded.int8_amx
+    linear.argtypes, linear.restype, choose.argtypes, choose.restype = ARGTYPES, ctypes.c_int, [_I], _I
+    if not choose(1):
+        return 0
+    out, width = STREAM_LAYER
+    layers = [Weights.filled(out, width) for _ in range(-(-STREAM_LEAST // (out * width)))]
+    generator = torch.Generator().manual_seed(0)
+    tiles_won = []
+    for rows in AMX_ROWS:
+        x = torch.randn(rows, width, generator=generator)
+        tiles_won.append(_fastest(2, AMX_ROUNDS, choose, partial(_sweep, linear, layers, x)) == 1)
+    start = len(AMX_ROWS)
+    while start and tiles_won[start - 1]:
+        start -= 1
+    return choose(AMX_ROWS[start] if start < len(AMX_ROWS) else 0)
+
+
 def record() -> dict | None:
     """How this process's int8 GEMM tiles its rows and where its tiles ask for weights (``bench``'s machine record);
     None where the kernel was not loaded."""
     if not kernel.cache_info().currsize or kernel() is None:
         return None
     few, many = prefetching() or (None, None)
-    return {"tiling": tiling(), "prefetch": {"one_row": ONE_ROW_PREFETCH, "few_rows": few, "many_rows": many}}
+    return {"tiling": tiling(), "prefetch": {"one_row": ONE_ROW_PREFETCH, "few_rows": few, "many_rows": many},
+            "amx_from_rows": amx()}
 
 
 def _sweep(linear, layers: list[Weights], x: torch.Tensor) -> None:

@@ -42,7 +42,7 @@ SURVEY_ORDER: tuple[str, ...] = ("int8dyn", "int8", "bf16", "fp32")
 PRUNE_MARGIN = 1.1  # a probed one-token pass must cost this much over the rival's widest pass to be pruned
 PROBE_ROUNDS = 3  # a probe's timed rounds (after two warm-up rounds)
 # Bumped when a path's kernels change, so cached cost tables are measured again.
-KERNELS_VERSION = 16
+KERNELS_VERSION = 17
 PRECISION_ENV = settings.PRECISION.name
 # The cap on tokens fed: the widest pass costing at most this share over a one-token pass.
 MAX_COST_SHARE = 1.15

@@ -25,7 +25,8 @@
 // Short tiles (int8_tiling) take AVX-512 rows 8 at a time instead, the last tile up to 12: a
 // block's bytes are read again from L1 for each tile, but on some CPUs (the broadcasts' loads, the
 // accumulators' chains) the shorter tile's steps run enough faster to pay. int8gemm.tiling times
-// both on the CPU at hand and sets the faster.
+// both on the CPU at hand and sets the faster. On a CPU with AMX a wide enough call multiplies on the tile unit
+// instead (amx_tiles, below).
 //
 // Built at run time by native.py (g++ -O3 -march=native -fopenmp -ffp-contract=off, no fast-math) and
 // called through ctypes.
@@ -39,6 +40,10 @@
 #endif
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -210,8 +215,120 @@ inline void rest(const Linear& L, int64_t r, int64_t t) {
 
 int64_t short_tiles = 0;  // int8_tiling
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+// AMX: the CPU's tile unit multiplies a tile of up to 16 rows x 64 codes by 16 rows of 64 weight bytes, the same
+// u8 x s8 sums as vpdpbusd, in one instruction (tdpbusd). A packed block's 16 steps (64 inputs) are exactly its
+// B tile: 16 rows of 64 bytes, 16 columns x 4 inputs each, 64 bytes apart. A call multiplies rows 32 at a time
+// (two A tiles of up to 16 rows) by blocks two at a time (two B tiles), into four C tiles of sums that finish()
+// ends as the vector tiles' sums are. The same exact sums, so the same bits.
+//
+// Linux hands a process the tiles' state only on request (int8_amx asks); calls of at least amx_from rows use the
+// tiles, where int8gemm.amx timed them faster than the vector tiles on the CPU at hand (0: never).
+constexpr int64_t AMX_DEPTH = 64;  // inputs a tile step takes: depth must be a multiple of it
+int64_t amx_from = 0;
+
+struct TileConfig {  // the layout ldtilecfg reads (palette 1)
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tiles 0, 1: sums of rows r0 .. r0 + n0 - 1 (block t, t + 1); 2, 3: the next n1 rows; 4, 5: their codes; 6, 7: weights
+inline void amx_configure(int64_t n0, int64_t n1) {
+  TileConfig c;
+  memset(&c, 0, sizeof(c));
+  c.palette = 1;
+  const int64_t rows[8] = {n0, n0, n1, n1, n0, n1, AMX_DEPTH / DEPTH, AMX_DEPTH / DEPTH};
+  for (int k = 0; k < 8; k++)
+    if (rows[k]) {
+      c.rows[k] = (uint8_t)rows[k];
+      c.colsb[k] = 64;
+    }
+  _tile_loadconfig(&c);
+}
+
+// the sums of one C tile (n rows of 16 columns, 64 bytes apart) finished into row r0's .. and block t's columns
+inline void amx_finish(const Linear& L, const int32_t (*sums)[TILE], int64_t r0, int64_t n, int64_t t) {
+  const int64_t c0 = t * TILE, cols = L.out - c0 < TILE ? L.out - c0 : TILE;
+  for (int64_t r = 0; r < n; r++) {
+    if (cols == TILE) {
+      finish_all(L, r0 + r, c0, _mm512_loadu_si512((const void*)sums[r]));
+    } else {
+      for (int64_t j = 0; j < cols; j++) finish(L, r0 + r, c0 + j, sums[r][j]);
+    }
+  }
+}
+
+void amx_tiles(const Linear& L, int64_t t_from, int64_t t_to) {
+  const int64_t depth = L.depth();
+  alignas(64) int32_t sums[4][16][TILE];
+  for (int64_t r0 = 0; r0 < L.rows; r0 += 32) {
+    const int64_t n0 = L.rows - r0 < 16 ? L.rows - r0 : 16;
+    const int64_t n1 = L.rows - r0 - n0 < 16 ? L.rows - r0 - n0 : 16;
+    amx_configure(n0, n1);
+    const uint8_t* a0 = L.codes + r0 * depth;
+    const uint8_t* a1 = a0 + 16 * depth;
+    for (int64_t t = t_from; t < t_to; t += 2) {
+      const bool two = t + 1 < t_to;
+      const int8_t* w0 = L.packed + t * TILE * depth;
+      const int8_t* w1 = w0 + TILE * depth;
+      _tile_zero(0);
+      if (two) _tile_zero(1);
+      if (n1) {
+        _tile_zero(2);
+        if (two) _tile_zero(3);
+      }
+      for (int64_t k = 0; k < depth; k += AMX_DEPTH) {
+        const int64_t at = k / DEPTH * STEP;  // block bytes before this step
+        // the next step's weights asked into L1 (tile loads that miss it wait; asking for the next pair's, or into
+        // L2, ran slower in turns)
+        if (k + AMX_DEPTH < depth)
+          for (int64_t line = 0; line < AMX_DEPTH / DEPTH; line++) {
+            _mm_prefetch((const char*)(w0 + at + AMX_DEPTH / DEPTH * STEP + line * 64), _MM_HINT_T0);
+            if (two) _mm_prefetch((const char*)(w1 + at + AMX_DEPTH / DEPTH * STEP + line * 64), _MM_HINT_T0);
+          }
+        _tile_loadd(4, a0 + k, depth);
+        _tile_loadd(6, w0 + at, STEP);
+        _tile_dpbusd(0, 4, 6);
+        if (n1) {
+          _tile_loadd(5, a1 + k, depth);
+          _tile_dpbusd(2, 5, 6);
+        }
+        if (two) {
+          _tile_loadd(7, w1 + at, STEP);
+          _tile_dpbusd(1, 4, 7);
+          if (n1) _tile_dpbusd(3, 5, 7);
+        }
+      }
+      _tile_stored(0, sums[0], 64);
+      if (two) _tile_stored(1, sums[1], 64);
+      if (n1) {
+        _tile_stored(2, sums[2], 64);
+        if (two) _tile_stored(3, sums[3], 64);
+      }
+      amx_finish(L, sums[0], r0, n0, t);
+      if (two) amx_finish(L, sums[1], r0, n0, t + 1);
+      if (n1) {
+        amx_finish(L, sums[2], r0 + 16, n1, t);
+        if (two) amx_finish(L, sums[3], r0 + 16, n1, t + 1);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Asks Linux for the tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): 1 granted, else 0.
+int64_t amx_permitted() {
+  static const int64_t granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+#endif
+
 // tiles t_from .. t_to - 1, every row
 void tiles(const Linear& L, int64_t t_from, int64_t t_to) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+  if (amx_from && L.rows >= amx_from && L.depth() % AMX_DEPTH == 0) return amx_tiles(L, t_from, t_to);
+#endif
 #if defined(__AVX2__)
   for (int64_t t = t_from; t < t_to; t++) {
     int64_t r = 0;
@@ -308,6 +425,18 @@ void int8_prefetch(int64_t one_row, int64_t few_rows, int64_t many_rows) {
   prefetch_into[0] = one_row;
   prefetch_into[1] = few_rows;
   prefetch_into[2] = many_rows;
+}
+
+// From how many rows later calls multiply on AMX tiles (0: never), where the CPU has them and Linux grants them.
+// Returns the rows set: 0 where there are no tiles to use. The same bits either way.
+int64_t int8_amx(int64_t from_rows) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+  amx_from = from_rows > 0 && amx_permitted() ? from_rows : 0;
+  return amx_from;
+#else
+  (void)from_rows;
+  return 0;
+#endif
 }
 
 // y (rows, out) = the row-exact int8 linear of x (rows, in; rows `x_stride` floats apart) and the
