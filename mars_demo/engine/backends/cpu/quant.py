@@ -29,10 +29,15 @@ SMOOTHING_ALPHA = 0.5
 
 # -- row-exact building blocks -----------------------------------------------------------------
 # How many rows a pass may have and still feed bf16's linears one row at a time. The CPU engine sets it
-# for each pass (backend.py): every row of a decode pass alone, a prefill in one call; elsewhere (transformers'
-# forward on a bf16 model) passes of up to 16 rows, as attention.ROW_EXACT_ROWS. Per thread: a live batch
-# decodes beside a race.
+# for each pass (backend.py): every row of a decode pass alone, a prefill in calls of BF16_CHUNK rows; elsewhere
+# (transformers' forward on a bf16 model) passes of up to 16 rows, as attention.ROW_EXACT_ROWS. Per thread: a live
+# batch decodes beside a race.
 BF16_ROWS_ALONE: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_rows_alone", default=16)
+# A longer pass's rows go to the GEMM in calls of exactly this many, the last padded with zero rows: oneDNN picks
+# its kernel by the rows of a call, and on a CPU with AMX a prompt's rows rounded otherwise in one call than in a
+# call of a few rows more (the same prompt with a MARS prefill's masks after it). In calls of one size, row r is
+# always row r % BF16_CHUNK of such a call, whatever follows it.
+BF16_CHUNK = 32
 
 
 class RowBf16Linear(nn.Linear):
@@ -41,7 +46,8 @@ class RowBf16Linear(nn.Linear):
     oneDNN's bf16 GEMM (where the CPU has AVX-512) picks its kernel by the rows fed, and with 2048 or
     more inputs (Qwen2.5-0.5B's down_proj: 4864) a row's sums round otherwise at 3 rows than at 1. A row
     fed alone is the very call of a one-token pass, so a decode pass's rows are a one-token pass's bit for
-    bit; a prefill stays one call. Shares the linear's parameters (a tied head stays tied).
+    bit; a longer pass (a prefill) goes in calls of BF16_CHUNK rows, so a prompt's rows are the same with
+    or without masks after them. Shares the linear's parameters (a tied head stays tied).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -53,7 +59,9 @@ class RowBf16Linear(nn.Linear):
         rows = x.reshape(-1, self.in_features)  # (rows, in)
         n = rows.shape[0]
         if n > BF16_ROWS_ALONE.get():
-            return F.linear(x, self.weight, self.bias)
+            padded = torch.cat([rows, rows.new_zeros(-n % BF16_CHUNK, self.in_features)])
+            y = torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in padded.split(BF16_CHUNK)])[:n]
+            return y.view(*x.shape[:-1], self.out_features)
         if n == 1:  # a one-token pass: the call every row of a short pass makes
             y = F.linear(rows, self.weight, self.bias)
         else:
