@@ -129,9 +129,8 @@ def prefetching() -> tuple[str, str] | None:
         return None
     linear = loaded.int8_linear
     linear.argtypes, linear.restype = ARGTYPES, ctypes.c_int
-    out, width = STREAM_LAYER
-    size = min(2 * (last_level_cache() or STREAM_LEAST // 2), STREAM_MOST)
-    layers = [Weights.filled(out, width) for _ in range(-(-size // (out * width)))]
+    layers = _stream_layers(min(2 * (last_level_cache() or STREAM_LEAST // 2), STREAM_MOST))
+    width = STREAM_LAYER[1]
     generator = torch.Generator().manual_seed(0)
     chosen = [ONE_ROW_PREFETCH] * len(PREFETCH_ROWS)  # as the library starts: every tile into L1
     for kind, rows in enumerate(PREFETCH_ROWS):
@@ -166,8 +165,7 @@ def amx() -> int:
     linear.argtypes, linear.restype, choose.argtypes, choose.restype = ARGTYPES, ctypes.c_int, [_I], _I
     if not choose(1):
         return 0
-    out, width = STREAM_LAYER
-    layers = [Weights.filled(out, width) for _ in range(-(-STREAM_LEAST // (out * width)))]
+    layers, width = _stream_layers(STREAM_LEAST), STREAM_LAYER[1]
     generator = torch.Generator().manual_seed(0)
     tiles_won = []
     for rows in AMX_ROWS:
@@ -187,6 +185,13 @@ def record() -> dict | None:
     few, many = prefetching() or (None, None)
     return {"tiling": tiling(), "prefetch": {"one_row": ONE_ROW_PREFETCH, "few_rows": few, "many_rows": many},
             "amx_from_rows": amx()}
+
+
+def _stream_layers(size: int) -> list[Weights]:
+    """Synthetic layers of STREAM_LAYER's shape, at least ``size`` bytes in all: what ``prefetching`` and ``amx`` sweep,
+    as a pass streams its layers."""
+    out, width = STREAM_LAYER
+    return [Weights.filled(out, width) for _ in range(-(-size // (out * width)))]
 
 
 def _sweep(linear, layers: list[Weights], x: torch.Tensor) -> None:
