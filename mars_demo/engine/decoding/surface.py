@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 GRID_ROWS = (1, 2, 4, 8)
 GRID_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 16, 32)  # decoding widths, exact mode's widest (1 + 3 x 3), prefills
 SURFACE_FILE = "cost-surfaces.json"
-SURFACE_VERSION = 5  # 2: the acceptance's cost included; 3: made monotone; 4: rows with holes; 5: a pass before each
+SURFACE_VERSION = 6  # 2: the acceptance's cost included; 3: made monotone; 4: rows with holes; 5: a pass before each;
+# 6: widest first
 HOLES = 8  # left holes per row step when measuring (rows 0, 8, 16, 24 holes, repeating)
 SURFACE_CONTEXT = 128  # cached tokens per row before a measured pass
 SURFACE_ROUNDS = 7  # rounds kept per point (after two warm-up rounds): the fastest is the pass alone
@@ -135,9 +136,10 @@ def measure(backend: Backend, *, rows: Sequence[int] = GRID_ROWS, widths: Sequen
     its host sync as the decoders' do (a wider pass also costs its candidates' acceptance). The widths
     of one row count take turns, one pass each per round, and the fastest round of each is kept:
     other load only ever adds time. Each timed pass follows an untimed one-token pass, as a decoding
-    pass follows another: right after a wide pass (a 32-token one at 8 rows on a CPU) the next pass runs
-    slower, which in a fixed order priced the narrow passes that came next as dear as wider ones
-    (BENCHMARKS.md, "Many requests at once").
+    pass follows another, and a round goes from the widest pass to the narrowest: for a few passes after a
+    prefill-sized one (16 or 32 tokens a row) a pass runs slower, so a round that went from narrow to wide
+    priced the next round's one-token pass above what decoding pays, and wide passes too cheap beside
+    it (docs/METHOD.md, "Width").
 
     Load that lasts through a whole row count's rounds slows all of them. So once every row count is
     measured, each one's one-token pass is timed again; a row count whose pass now takes less than
@@ -171,10 +173,11 @@ class _Setup:
         backend.forward(self.ids[:, :context], self.cache, mask=self.held)
 
     def line(self, widths: Sequence[int], rounds: int) -> list[float]:
-        """Ms of a pass by width: the fastest of ``rounds`` rounds (after two warm-up rounds), widths in turns."""
+        """Ms of a pass by width: the fastest of ``rounds`` rounds (after two warm-up rounds), widths in turns, the
+        widest first (measure)."""
         seen: dict[int, list[float]] = {w: [] for w in widths}
         for _ in range(rounds + 2):
-            for w in widths:
+            for w in sorted(widths, reverse=True):
                 _timed_pass(self.backend, self.ids, self.cache, self.held, 1)  # the pass before: a decoding pass's
                 seen[w].append(_timed_pass(self.backend, self.ids, self.cache, self.held, w))
         return [min(seen[w][2:]) * 1000 for w in widths]
