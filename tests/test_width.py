@@ -147,10 +147,11 @@ def test_a_kept_surface_that_load_slowed_is_measured_again(monkeypatch, tmp_path
 
 
 class AfterWide:
-    """A backend on a fake clock whose pass costs 1 + w/10 ms, half as much again right after a pass of 16+."""
+    """A backend on a fake clock whose pass costs 1 + w/10 ms, half as much again in the ``lasting`` passes after a
+    pass of 16+ (on this project's VMs a pass runs slower for several passes after a long one)."""
 
-    def __init__(self):
-        self.now, self.last, self.device = 0.0, 1, torch.device("cpu")
+    def __init__(self, lasting=1):
+        self.now, self.since, self.lasting, self.device = 0.0, lasting, lasting, torch.device("cpu")
         self.config = SimpleNamespace(vocab_size=64)
 
     def new_cache(self):
@@ -158,8 +159,8 @@ class AfterWide:
 
     def forward(self, ids, cache, *, positions=None, mask=None, keep=1):
         width = ids.shape[1]
-        self.now += (1.0 + width / 10) * (1.5 if self.last >= 16 else 1.0) / 1000
-        self.last = width
+        self.now += (1.0 + width / 10) * (1.5 if self.since < self.lasting else 1.0) / 1000
+        self.since = 0 if width >= 16 else self.since + 1
         return torch.zeros(ids.shape[0], keep, 8)
 
 
@@ -169,6 +170,16 @@ def test_the_passes_after_the_widest_do_not_set_the_narrow_widths_price(monkeypa
     surface = measure(backend, rows=(1, 4), widths=(1, 2, 4, 32), context=8, rounds=5)
     for rows in (1, 4):
         assert [surface.ms(rows, w) for w in (1, 2, 4, 32)] == pytest.approx([1.1, 1.2, 1.4, 4.2])
+
+
+def test_a_slowness_that_lingers_after_the_widest_pass_does_not_price_the_one_token_pass(monkeypatch):
+    # three passes slowed after each 32-token one: a round from narrow to wide timed the next round's one-token pass
+    # second after it (1.65 ms), and a 2-token pass looked 0.73x of it
+    backend = AfterWide(lasting=3)
+    monkeypatch.setattr(time, "perf_counter", lambda: backend.now)
+    surface = measure(backend, rows=(1, 4), widths=(1, 2, 4, 6, 8, 32), context=8, rounds=5)
+    for rows in (1, 4):
+        assert [surface.ms(rows, w) for w in (1, 2, 4, 6)] == pytest.approx([1.1, 1.2, 1.4, 1.6])
 
 
 # -- the controller ----------------------------------------------------------------------------------
