@@ -30,8 +30,8 @@ from mars_demo.engine.decoding.config import DecodeConfig
 
 
 def build(tree: str, where: Path, like) -> ctypes._CFuncPtr:
-    """The ``decoder`` function of ``tree``'s sources, typed as the loaded one (``like``), its linears tiled and
-    prefetching as this process's own (where the build has those settings)."""
+    """The ``decoder`` function of ``tree``'s sources, typed as the loaded one (``like``), its linears tiled,
+    prefetching and on AMX tiles as this process's own (where the build has those settings)."""
     native.SOURCES = Path(tree).resolve() / "mars_demo/engine/backends/cpu/csrc"
     library = ctypes.CDLL(str(native.build("decoder", native.compiler(), where)))
     if hasattr(library, "int8_tiling") and int8gemm.tiling() is not None:
@@ -44,6 +44,9 @@ def build(tree: str, where: Path, like) -> ctypes._CFuncPtr:
         else:  # a build from before tiles of a few rows had their own choice: one for every tile of several rows
             library.int8_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64]
             library.int8_prefetch(*map(int8gemm.PREFETCHES.index, (int8gemm.ONE_ROW_PREFETCH, many)))
+    if hasattr(library, "int8_amx"):  # AMX tiles from as many rows as this process's timing chose (0: none)
+        library.int8_amx.argtypes, library.int8_amx.restype = [ctypes.c_int64], ctypes.c_int64
+        library.int8_amx(int8gemm.amx())
     function = library.decoder
     function.argtypes, function.restype = like.argtypes, like.restype
     return function
