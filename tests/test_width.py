@@ -31,7 +31,7 @@ from mars_demo.engine.decoding.config import DecodeConfig
 from mars_demo.engine.decoding.exact import DraftDepth
 from mars_demo.engine.decoding.loop import LiveTau, eos_ids
 from mars_demo.engine.decoding.surface import Surface, affordable_rate, cached_surface, measure
-from mars_demo.engine.decoding.width import GAIN, NEAR, Hits, Prices, Standing, WidthController
+from mars_demo.engine.decoding.width import FIRST, GAIN, NEAR, Hits, Prices, Standing, WidthController
 from mars_demo.engine.serving.loop import Request, ServeConfig, ServingLoop
 from mars_demo.engine.serving.policies import Load, parse_policy
 
@@ -644,6 +644,32 @@ def test_a_plain_verifying_pass_stands_where_a_due_look_would_only_draft_at_a_de
     assert len(weighed) == 2  # so the plain choice stood for RECHECK passes instead of being weighed every pass
     batch.plain, batch.drafts[0] = Standing(), [5]  # with a draft in hand the look's first pass verifies: it is taken
     assert batch._layout(1.0) == best
+
+
+def test_a_dear_look_waits_as_much_longer_and_then_verifies_what_it_drafted(tiny_llama, monkeypatch):
+    # the surface above: a look's first pass (drafting only) costs 0.28 more than a plain one, 1.4x FIRST
+    near = Surface.from_cost(lambda r, w: 5.0 + 0.7 * r * (w - 1), rows=ROWS, widths=WIDTHS, name="m", simulated=False)
+    controller = WidthController(near, 4, verifying=True)
+    batch = TokenBatch(
+        tiny_llama.backend, _ids(tiny_llama)[:2], DecodeConfig(mode="exact", max_new_tokens=NEW), block_size=4,
+        mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id, controller=controller,
+    )
+    batch.passes = 1  # past the prefill, which is priced apart
+    controller.prices.runs[2] = (False, Prices.STALE)
+    assert batch._layout(1.0).depth == 0  # weighed: a draft's layout comes near, its first pass is dear
+    best, rate, plain = batch.depths.weighed
+    first = batch.depths.cost(1 + best.depth) / batch.depths.cost(1) - 1
+    assert first > FIRST and NEAR <= rate / plain < GAIN
+    wait = math.ceil(Prices.STALE * first / FIRST)  # one-token passes before such a look: its cost spread as thin
+    for run, looks in ((wait - 1, False), (wait, True)):
+        batch.plain = Standing()
+        controller.prices.runs[2] = (False, run)
+        assert (batch._layout(1.0).depth > 0) == looks, run
+    weighed = []
+    monkeypatch.setattr(batch.depths, "layout", lambda kinds: weighed.append(kinds))
+    assert batch._layout(1.0) == best and not weighed  # the pass after the look verifies its drafts, unweighed
+    controller.prices.runs[2] = (True, 1)  # (as the look's pass leaves the runs)
+    assert not controller.spaced(2, 0.0)  # and no look is due from a run of wide passes
 
 
 def test_a_batch_prices_a_draftless_row_at_the_width_its_drafting_rows_feed():

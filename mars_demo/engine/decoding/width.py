@@ -47,8 +47,9 @@ GAIN = 1.05  # a wider pass is taken only where it promises this much over one-t
 NEAR = 0.9  # a pass of the kind whose price is due a look (Prices.due) is taken where it promises this much of
 # the choice's rate: a look costs about a tenth of a pass every STALE passes
 FIRST = 0.2  # and, where its first pass only drafts (a verifying look after AR passes, which leave no drafts),
-# where that pass costs at most this much more than a one-token pass (at 8 rows on a 2-core CPU it costs
-# 0.25-0.45 more, and such looks cost exact-mode batches 1-2%)
+# due once its first pass costs at most this much more than a one-token pass per STALE passes: one that costs
+# more waits as many times longer (at 8 rows on a 2-core CPU it costs 0.25-0.45 more, and such looks every STALE
+# passes cost exact-mode batches 1-2%)
 
 
 class Hits:
@@ -308,13 +309,21 @@ class WidthController:
         """Whether the next pass over ``rows`` rows is wide, given the best wide choice's expected ``gain`` over
         one-token passes: where it promises GAIN (one row: any gain), or where a kind's price is due a look
         (``Prices.due``), the kind due wherever it promises NEAR of the other's rate; a wide look whose first pass
-        only drafts costs ``first`` more than a one-token pass (in one-token passes), at most FIRST."""
+        only drafts costs ``first`` more than a one-token pass (in one-token passes) and is due only as often as
+        that costs FIRST a STALE passes (``spaced``)."""
         due, pays = self.prices.due(rows), gain >= (GAIN if rows > 1 else 1.0)
         if due is None:
             return pays
-        if due:  # the wide price: a look where it comes near, unless its first pass is dear
-            return pays or (gain >= NEAR and first <= FIRST)
+        if due:  # the wide price: a look where it comes near, as often as its first pass allows
+            return pays or (gain >= NEAR and self.spaced(rows, first))
         return gain > 1.0 / NEAR  # the one-token price: wide only well clear of it
+
+    def spaced(self, rows: int, first: float) -> bool:
+        """Whether one-token passes over ``rows`` rows have run long enough for a wide look whose first pass costs
+        ``first`` more than theirs: STALE passes where that is at most FIRST, first / FIRST times as many where more
+        (its cost spread as thin). Never where no one-token passes run (the wide kind's own runs)."""
+        kind, run = self.prices.runs.get(rows, (True, 0))
+        return not kind and run >= Prices.STALE * max(1.0, first / FIRST)
 
     def start_drafts(self, depth: int) -> tuple[list[float], list[float]]:
         """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the

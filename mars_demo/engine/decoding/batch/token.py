@@ -28,7 +28,7 @@ from .. import exact, speculative
 from ..acceptance import accept_rows, greedy_confidence
 from ..config import VERIFYING_MODES, DecodeConfig
 from ..sampling import Sampling
-from ..width import FIRST, GAIN, NEAR, Hits, Standing, WidthController
+from ..width import GAIN, NEAR, Hits, Standing, WidthController
 from .events import BatchEvent, RowStep
 from .rows import BatchSpec, PaddedCache, RowBook, Window, left_pad, limit_new_tokens
 
@@ -215,7 +215,7 @@ class TokenBatch:
             block_size - 1, None, self.controller.start_drafts(block_size - 1), self.controller.draft_yields()
         )
         self.passes = 0
-        self.plain = Standing()  # a plain pass that stands, on (rows, tau) (``_layout``)
+        self.plain = Standing()  # a layout that stands on (rows, tau): a plain pass, a look's verifying one (_layout)
         self.joins = 0  # rows of a running batch these join after their prefill (a server's newcomers): their
         # prefill's masks and drafts are priced at the rows they will decode among
 
@@ -295,9 +295,11 @@ class TokenBatch:
         # and no look is due (or none came near, or the look's draft-only first pass is dear: after plain passes no
         # row drafts, so it stays dear while they stand): pricing every layout is host work a plain pass does not pay
         due = self.controller.prices.due(rows)
-        looking = due is not None and gain >= NEAR and not (due and first > FIRST)
+        looking = due is not None and gain >= NEAR and not (due and not self.controller.spaced(rows, first))
         stands = not chosen.depth and gain < GAIN and not looking
         self.plain.set((rows, tau), chosen, WidthController.RECHECK if stands else 0)
+        if chosen.depth and first and gain < GAIN:  # a look that only drafts: the next pass verifies what it drafted
+            self.plain.set((rows, tau), chosen, 1)
         return chosen
 
     def _window_pass(self, tau: float, origin: str | None = None) -> tuple[list[RowStep], int]:
