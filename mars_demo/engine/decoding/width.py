@@ -46,10 +46,10 @@ GAIN = 1.05  # a wider pass is taken only where it promises this much over one-t
 # surface is a model of what a pass costs, and a pass it prices within a few percent may not pay
 NEAR = 0.9  # a pass of the kind whose price is due a look (Prices.due) is taken where it promises this much of
 # the choice's rate: a look costs about a tenth of a pass every STALE passes
-FIRST = 0.2  # and, where its first pass only drafts (a verifying look after AR passes, which leave no drafts),
-# due once its first pass costs at most this much more than a one-token pass per STALE passes: one that costs
-# more waits as many times longer (at 8 rows on a 2-core CPU it costs 0.25-0.45 more, and such looks every STALE
-# passes cost exact-mode batches 1-2%)
+FIRST = 0.2  # and, where its first pass only drafts (a verifying look after AR passes, which leave no drafts), it
+# is due after STALE one-token passes where that pass costs at most this much more than one of them, and as many
+# times later as it costs more (at 8 rows on a 2-core CPU it costs 0.25-0.45 more, and looks every STALE passes
+# cost exact-mode batches 1-2%)
 
 
 class Hits:

@@ -292,8 +292,8 @@ class TokenBatch:
         chosen = best if self.controller.settle(rows, gain, first) else best._replace(depth=0)
         self.controller.last = (1 + chosen.depth, gain if chosen.depth else 1.0)
         # a plain pass stands for the next RECHECK passes over these rows at this tau where no layout promised GAIN
-        # and no look is due (or none came near, or the look's draft-only first pass is dear: after plain passes no
-        # row drafts, so it stays dear while they stand): pricing every layout is host work a plain pass does not pay
+        # and no look is due (or none came near, or the look's draft-only first pass is dear and its longer wait is not
+        # over: after plain passes no row drafts): pricing every layout is host work a plain pass does not pay
         due = self.controller.prices.due(rows)
         looking = due is not None and gain >= NEAR and not (due and not self.controller.spaced(rows, first))
         stands = not chosen.depth and gain < GAIN and not looking
