@@ -624,16 +624,22 @@ def test_a_price_gone_unmeasured_is_looked_at_once_where_its_kind_comes_near():
     assert linear.prices.due(2) is True and linear.choose(rows, [9] * 2, 0.9) == 1
 
 
-def test_a_plain_verifying_pass_stands_where_a_due_look_would_only_draft_at_a_dear_first_pass(tiny_llama, monkeypatch):
-    # two rows, the prior's one draft in two: a draft's layout promises ~0.98x plain passes' rate, near enough for a
-    # look, but after plain passes no row has drafts, and the look's first pass (drafting only) costs 0.28 more
+def _near_exact_batch(lm) -> tuple[WidthController, TokenBatch]:
+    """Two rows in exact mode past their prefill (priced apart), on a surface where, at the prior's one draft in two,
+    a draft's layout promises ~0.98x plain passes' rate, near enough for a look, and the look's first pass (drafting
+    only, as after plain passes no row has drafts) costs 0.28 more than a plain one."""
     near = Surface.from_cost(lambda r, w: 5.0 + 0.7 * r * (w - 1), rows=ROWS, widths=WIDTHS, name="m", simulated=False)
     controller = WidthController(near, 4, verifying=True)
     batch = TokenBatch(
-        tiny_llama.backend, _ids(tiny_llama)[:2], DecodeConfig(mode="exact", max_new_tokens=NEW), block_size=4,
-        mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id, controller=controller,
+        lm.backend, _ids(lm)[:2], DecodeConfig(mode="exact", max_new_tokens=NEW), block_size=4,
+        mask_id=lm.meta.mask_token_id, pad_id=lm.tokenizer.pad_token_id, controller=controller,
     )
-    batch.passes = 1  # past the prefill, which is priced apart
+    batch.passes = 1
+    return controller, batch
+
+
+def test_a_plain_verifying_pass_stands_where_a_due_look_would_only_draft_at_a_dear_first_pass(tiny_llama, monkeypatch):
+    controller, batch = _near_exact_batch(tiny_llama)
     controller.prices.runs[2] = (False, Prices.STALE)  # one-token passes only for STALE passes: the wide price is due
     weighed, layout = [], batch.depths.layout
     monkeypatch.setattr(batch.depths, "layout", lambda kinds: weighed.append(kinds) or layout(kinds))
@@ -647,14 +653,7 @@ def test_a_plain_verifying_pass_stands_where_a_due_look_would_only_draft_at_a_de
 
 
 def test_a_dear_look_waits_as_much_longer_and_then_verifies_what_it_drafted(tiny_llama, monkeypatch):
-    # the surface above: a look's first pass (drafting only) costs 0.28 more than a plain one, 1.4x FIRST
-    near = Surface.from_cost(lambda r, w: 5.0 + 0.7 * r * (w - 1), rows=ROWS, widths=WIDTHS, name="m", simulated=False)
-    controller = WidthController(near, 4, verifying=True)
-    batch = TokenBatch(
-        tiny_llama.backend, _ids(tiny_llama)[:2], DecodeConfig(mode="exact", max_new_tokens=NEW), block_size=4,
-        mask_id=tiny_llama.meta.mask_token_id, pad_id=tiny_llama.tokenizer.pad_token_id, controller=controller,
-    )
-    batch.passes = 1  # past the prefill, which is priced apart
+    controller, batch = _near_exact_batch(tiny_llama)  # a look's first pass costs 0.28 more, 1.4x FIRST
     controller.prices.runs[2] = (False, Prices.STALE)
     assert batch._layout(1.0).depth == 0  # weighed: a draft's layout comes near, its first pass is dear
     best, rate, plain = batch.depths.weighed

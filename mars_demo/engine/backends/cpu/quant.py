@@ -59,7 +59,7 @@ class RowBf16Linear(nn.Linear):
         rows = x.reshape(-1, self.in_features)  # (rows, in)
         n = rows.shape[0]
         if n > BF16_ROWS_ALONE.get():
-            padded = torch.cat([rows, rows.new_zeros(-n % BF16_CHUNK, self.in_features)])
+            padded = torch.cat([rows, rows.new_zeros(-n % BF16_CHUNK, self.in_features)]) if n % BF16_CHUNK else rows
             y = torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in padded.split(BF16_CHUNK)])[:n]
             return y.view(*x.shape[:-1], self.out_features)
         if n == 1:  # a one-token pass: the call every row of a short pass makes

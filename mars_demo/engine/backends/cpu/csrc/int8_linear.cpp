@@ -42,6 +42,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#define AMX_TILES 1  // this build can multiply on AMX tiles (amx_tiles)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -215,7 +216,7 @@ inline void rest(const Linear& L, int64_t r, int64_t t) {
 
 int64_t short_tiles = 0;  // int8_tiling
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#if defined(AMX_TILES)
 // AMX: the CPU's tile unit multiplies a tile of up to 16 rows x 64 codes by 16 rows of 64 weight bytes, the same
 // u8 x s8 sums as vpdpbusd, in one instruction (tdpbusd). A packed block's 16 steps (64 inputs) are exactly its
 // B tile: 16 rows of 64 bytes, 16 columns x 4 inputs each, 64 bytes apart. A call multiplies rows 32 at a time
@@ -326,7 +327,7 @@ int64_t amx_permitted() {
 
 // tiles t_from .. t_to - 1, every row
 void tiles(const Linear& L, int64_t t_from, int64_t t_to) {
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#if defined(AMX_TILES)
   if (amx_from && L.rows >= amx_from && L.depth() % AMX_DEPTH == 0) return amx_tiles(L, t_from, t_to);
 #endif
 #if defined(__AVX2__)
@@ -430,7 +431,7 @@ void int8_prefetch(int64_t one_row, int64_t few_rows, int64_t many_rows) {
 // From how many rows later calls multiply on AMX tiles (0: never), where the CPU has them and Linux grants them.
 // Returns the rows set: 0 where there are no tiles to use. The same bits either way.
 int64_t int8_amx(int64_t from_rows) {
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#if defined(AMX_TILES)
   amx_from = from_rows > 0 && amx_permitted() ? from_rows : 0;
   return amx_from;
 #else
