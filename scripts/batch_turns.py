@@ -74,7 +74,7 @@ def main() -> None:
             for (rows, fed), seen in sorted(passes[method].items()):
                 ms = statistics.median(s for s, _ in seen) * 1000
                 per_ms = sum(t for _, t in seen) / sum(s for s, _ in seen) / 1000
-                print(f"    {rows} rows x {fed} fed: {len(seen)} passes, {ms:.1f} ms, {per_ms:.2f} tokens a ms")
+                print(f"    {rows} rows x {fed} fed: {len(seen)} passes, {ms:.2f} ms, {per_ms:.2f} tokens a ms")
             for name, whole in (("the whole batch", True), ("fewer rows", False)):  # a static batch's tail apart
                 seen = [x for (rows, _), xs in passes[method].items() if (rows == args.batch) == whole for x in xs]
                 spent, tokens = sum(s for s, _ in seen), sum(t for _, t in seen)

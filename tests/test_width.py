@@ -191,6 +191,34 @@ def test_controller_feeds_full_width_where_width_is_free_and_one_where_it_costs_
     assert WidthController(FREE, 4).choose(rows, [9] * 4, 1.0) == 1  # tau 1.0: only candidate 1 can pass
 
 
+def test_the_rates_are_each_widths_expected_tokens_over_the_price_of_its_steady_columns():
+    """The documented rate, written out: at width w each row commits the sum of its first min(w, cap) reach
+    terms, and the pass feeds n_w - 1 + w columns, n_w what the row that accepts most is expected to accept."""
+    rng = random.Random(0)
+    surface = Surface.from_cost(lambda r, w: 3.0 + r * (1 + 0.4 * w), rows=ROWS, widths=WIDTHS, name="by columns")
+    controller = WidthController(surface, 4)
+    for rows in (1, 3, 8):
+        hits = [Hits(3, start=([rng.random() for _ in range(3)], [1.0] * 3)) for _ in range(rows)]
+        caps = [rng.choice([1, 2, 3, 9]) for _ in range(rows)]
+        reach = [h.reach(4) for h in hits]
+        for width, rate in controller.rates(hits, caps).items():
+            widths = [min(width, cap) for cap in caps]
+            tokens = sum(sum(r[:w]) for r, w in zip(reach, widths))
+            most = sum(1 - math.prod(1 - r[k] for r, w in zip(reach, widths) if k < w) for k in range(width))
+            assert rate == pytest.approx(tokens / surface.ms(rows, most - 1 + width))
+
+
+def test_a_pass_that_offered_no_row_a_mask_leaves_each_row_as_observing_it_one_by_one_would():
+    controller = WidthController(FREE, 4)
+    apart, together = [controller.new_row(0.9) for _ in range(3)], [controller.new_row(0.9) for _ in range(3)]
+    for offered in (3, 0, 0, 2, 0):
+        accepted = [1 + min(offered, i) for i in range(3)]
+        for row, tokens in zip(apart, accepted):
+            controller.observe(row, 0.9, offered, tokens - 1)
+        controller.observe_pass(together, 0.9, [1 + offered] * 3, accepted)
+    assert [r.reach(4) for r in apart] == [r.reach(4) for r in together]
+
+
 def test_controller_follows_each_rows_acceptance():
     curve = Surface.from_cost(lambda r, w: 10.0 + 1.0 * r * (w - 1), rows=ROWS, widths=WIDTHS, name="gentle")
     controller = WidthController(curve, 4)

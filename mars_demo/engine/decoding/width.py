@@ -197,20 +197,6 @@ class Prices:
 _POOLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # surface -> {most: {tau: pooled Hits}}
 
 
-def widest_accepted(reach: Sequence[list[float]], widths: Sequence[int]) -> float:
-    """Expected tokens accepted by the row that accepts most, each row offered its width's candidates.
-
-    reach: per row, P(at least k tokens) for k = 1, 2, ... (``Hits.reach``), as long as its width at least.
-    """
-    total = 0.0
-    for k in range(1, max(widths, default=1) + 1):
-        none = 1.0
-        for r, w in zip(reach, widths):
-            none *= 1.0 - (r[k - 1] if k <= w else 0.0)
-        total += 1.0 - none
-    return total
-
-
 def _start_from(pooled: Hits, depth: int) -> tuple[list[float], list[float]]:
     """Pseudo-counts (held, tried) for ``depth`` depths at ``pooled``'s shares, weighted as the prior is."""
     tried = [Hits.PRIOR[1]] * depth
@@ -283,19 +269,37 @@ class WidthController:
             self.shown += 1
             self.pooled.setdefault(round(tau, 4), Hits(self.most - 1, self.POOLED_DECAY)).observe(offered, extra)
 
+    def observe_pass(self, rows: Sequence[Hits], tau: float, widths: Sequence[int], accepted: Sequence[int]) -> None:
+        """``observe`` for every row of a pass that fed row i ``widths[i]`` tokens and committed ``accepted[i]``."""
+        if max(widths, default=1) == 1:  # no row was offered a mask: each only idles (Hits.observe)
+            for row in rows:
+                row.idle += 1
+            return
+        for row, width, tokens in zip(rows, widths, accepted):
+            self.observe(row, tau, width - 1, tokens - 1)
+
     def rates(self, rows: Sequence[Hits], caps: Sequence[int]) -> dict[int, float]:
         """Expected committed tokens per ms of steady passes of each width 1 .. most over these rows (module
         docstring)."""
         return self._rates([h.reach(self.most) for h in rows], caps)
 
     def _rates(self, reach: Sequence[list[float]], caps: Sequence[int]) -> dict[int, float]:
-        """``rates`` from the rows' acceptance (``Hits.reach``), read once for every width."""
-        out, rows = {}, len(reach)
+        """``rates`` from the rows' acceptance (``Hits.reach``: P(at least k tokens)), read once for every width.
+
+        At width w, summed over candidates k <= w that a row's cap leaves it: the rows' expected tokens, and the
+        expected tokens of the row that accepts most, n_w = sum_k (1 - prod_r (1 - P_r(at least k))).
+        """
+        out, rows, surface, factor = {}, len(reach), self.surface, self.prices.factor
+        expected, widest = 0.0, 0.0
         for width in range(1, self.most + 1):
-            widths = [min(width, cap) for cap in caps]
-            expected = sum(sum(r[: max(w, 1)]) for r, w in zip(reach, widths))
-            columns = widest_accepted(reach, widths) - 1 + width
-            out[width] = expected / (self.surface.ms(rows, columns) * self.prices.factor(rows, columns))
+            offered = [r[width - 1] for r, cap in zip(reach, caps) if cap >= width]  # rows with a width-th candidate
+            expected += sum(offered) if width > 1 else rows  # a row's first candidate is its AR token, always held
+            none = 1.0
+            for p in offered:
+                none *= 1.0 - p
+            widest += 1.0 - none
+            columns = widest - 1 + width
+            out[width] = expected / (surface.ms(rows, columns) * factor(rows, columns))
         return out
 
     def passed(self, rows: int, columns: int, seconds: float, block: bool = False) -> None:

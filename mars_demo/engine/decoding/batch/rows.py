@@ -166,9 +166,13 @@ class PaddedCache:
         self.attn = attn
         return torch.cat(logits)
 
-    def hide(self, row: int, start: int, stop: int) -> None:
-        """Turn one row's columns start..stop-1 into holes (a rejected draft that other rows' columns keep)."""
-        self.attn[row, start:stop] = 0
+    def hide(self, start: int, kept: list[int]) -> None:
+        """Turn row i's columns from ``start + kept[i]`` to the last into holes (rejected drafts that other rows'
+        columns keep), in one op for all rows."""
+        most = max(kept, default=0)
+        if any(k < most for k in kept):
+            held = torch.tensor(kept, device=self.attn.device)[:, None]
+            self.attn[:, start : start + most].masked_fill_(torch.arange(most, device=held.device) >= held, 0)
 
     def crop(self, columns: int) -> None:
         """Drop the last ``columns`` columns (masks, a re-fed block) from the cache and the mask."""

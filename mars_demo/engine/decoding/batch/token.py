@@ -74,22 +74,23 @@ def verify_block(
     g = L if masks and fallback and any(drafts) else 0  # no fallback group asked for, or no row has drafts
     n = len(real[0])
     width = n + trail + g
-    # built in numpy, then handed to torch once: a batch's every verifying pass does this (~20 torch ops before)
+    starts = [pos - (n - len(p) - a) for pos, p, a in zip(next_pos, pending, _afters(drafts, L, masks))]
+    if not g:  # a causal pass: three small tables, made as lists (a batch's every verifying pass does this)
+        tables = ([row + [mask_id] * trail for row in real], [[max(s + c, 0) for c in range(width)] for s in starts],
+                  [row + [1] * trail for row in real_attn])
+        ids, positions, attention = (torch.tensor(t, dtype=torch.int64, device=device) for t in tables)
+        return ids, positions, attention, n
+    # built in numpy, then handed to torch once (~20 torch ops before)
     ids = np.array([row + [mask_id] * (trail + g) for row in real], dtype=np.int64)
-    first = np.array([pos - (n - len(p) - a) for pos, p, a in zip(next_pos, pending, _afters(drafts, L, masks))],
-                     dtype=np.int64)
-    positions = first[:, None] + np.arange(width)  # (A, width): real part and main masks continue the row
+    positions = np.array(starts, dtype=np.int64)[:, None] + np.arange(width)  # real part and main masks continue
     after_pending = np.array([pos + len(p) for pos, p in zip(next_pos, pending)], dtype=np.int64)
     positions[:, n + trail :] = after_pending[:, None] + np.arange(g)
     drafted = np.array([len(d) > 0 for d in drafts])  # reads its fallback
     present = np.concatenate([np.array(real_attn, dtype=bool), np.ones((len(real), trail), dtype=bool),
                               np.repeat(drafted[:, None], g, axis=1)], axis=1)
-    if g:
-        attention = np.tril(np.ones((width, width), dtype=bool))[None] & present[:, None, :]
-        for r, d in enumerate(drafts):
-            attention[r, n + L :, n - len(d) : n + L] = False  # fallback masks: not the drafts, not the main masks
-    else:
-        attention = present.astype(np.int64)
+    attention = np.tril(np.ones((width, width), dtype=bool))[None] & present[:, None, :]
+    for r, d in enumerate(drafts):
+        attention[r, n + L :, n - len(d) : n + L] = False  # fallback masks: not the drafts, not the main masks
     ids, positions, attention = (torch.from_numpy(a).to(device) for a in (ids, positions.clip(min=0), attention))
     return ids, positions, attention, n
 
@@ -323,9 +324,9 @@ class TokenBatch:
             s.top_p, s.top_k,
         )
         steps = book.commit_all(active, tokens, confs)
+        if tau < 1.0:
+            controller.observe_pass(hits, tau, widths, [len(t) for t in tokens])
         for i, r in enumerate(active):
-            if tau < 1.0:
-                controller.observe(hits[i], tau, widths[i] - 1, len(tokens[i]) - 1)
             self.next_pos[r] += len(self.pending[r])
             self.pending[r] = list(steps[r].token_ids)
             marked = {"origins": (origin,) * len(steps[r].token_ids)} if origin else {}
@@ -396,8 +397,8 @@ def _verify_pass(
     # each row's columns up to its last verified draft
     kept = [n - after + v.cached for after, v in zip(afters, verdicts)]
     kv.crop(ids.shape[1] - max(kept))  # both mask groups and the drafts no row kept
+    kv.hide(cached, kept)  # each row's rejected drafts, kept for another row's sake
     for i, (r, v) in enumerate(zip(active, verdicts)):
-        kv.hide(i, cached + kept[i], cached + max(kept))  # this row's rejected drafts, kept for another row's sake
         width = 1 + len(rows_drafts[i]) + _lookahead(rows_drafts[i], L, masks)
         steps[r] = replace(steps[r], origins=tuple(v.origins[: len(steps[r].token_ids)]), width=width)
         next_pos[r] += len(pending[r]) + v.cached
