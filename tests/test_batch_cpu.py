@@ -216,7 +216,7 @@ class Cycle(WidthController):
         super().__init__(None, 4)
         self.calls = 0
 
-    def choose(self, rows, caps, tau, fed=None, joins=0):
+    def choose(self, rows, caps, tau, fed=None, joins=0, static=False):
         self.calls += 1
         return (4, 2, 1, 3)[(self.calls - 1) % 4]
 

@@ -79,7 +79,7 @@ class Replayed(WidthController):
         super().__init__(None, most)
         self.widths = iter(widths)
 
-    def choose(self, rows, caps, tau, fed=None, joins=0):
+    def choose(self, rows, caps, tau, fed=None, joins=0, static=False):
         return next(self.widths)
 
 

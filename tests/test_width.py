@@ -262,7 +262,7 @@ class Schedule(WidthController):
         super().__init__(FREE, 4)
         self.widths, self.calls = widths, 0
 
-    def choose(self, rows, caps, tau, fed=None, joins=0):
+    def choose(self, rows, caps, tau, fed=None, joins=0, static=False):
         self.calls += 1
         return self.widths[(self.calls - 1) % len(self.widths)]
 
@@ -753,8 +753,9 @@ def test_verifying_batches_share_what_their_layouts_yielded_and_stay_greedy_ar()
     before = copy.deepcopy(yields.sums)
     again = WidthController(flat, 4, verifying=True)
     assert again.draft_yields() is yields  # a later batch on this surface starts from them
-    out, _ = _batch(lm, ids, 1.0, verifying=True, controller=again)
-    assert out == ar and yields.sums != before
+    # one row: drafts that hold this rarely do not pay in a static batch of four once its rows drift apart (drift.py)
+    out, _ = _batch(lm, ids[:1], 1.0, verifying=True, controller=again)
+    assert out == ar[:1] and yields.sums != before
 
 
 def test_exact_batches_without_fallback_masks_are_greedy_ar(tiny_lm, monkeypatch):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .acceptance import greedy_confidence
+from .drift import moments
 from .yields import Yields
 
 # Where a committed token came from: the AR head of the pass, a verified draft, a mask accepted on confidence.
@@ -232,6 +233,17 @@ class DraftDepth:
         with_drafts = self.cost(1 + (3 if fallback else 2) * depth, block=fallback)
         bare = self.cost(1 + depth) if self.rows == 1 else with_drafts  # in a batch: the drafting rows' width
         return (expected + to_bare) / (1 + to_bare), (with_drafts + to_bare * bare) / (1 + to_bare)
+
+    def moments(self, layout: Layout) -> tuple[float, float]:
+        """(tokens, variance) a row commits a pass in the long run of ``layout`` on the chain model: a verifying pass
+        commits 1 + the drafts held, and its variance is spread over the passes that verify (a drafting pass, in turns
+        or after a failed draft without the fallback group, commits one token and adds none)."""
+        reach = [1.0]
+        for j in range(layout.depth):
+            reach.append(reach[-1] * self.held[j] / self.tried[j])
+        verifying, variance = moments(reach)
+        tokens = self.per_pass(*layout)[0]
+        return tokens, variance * (tokens - 1) / (verifying - 1) if verifying > 1 else 0.0
 
     def rate(self, depth: int, fallback: bool, masks: bool = True) -> float:
         """Expected committed tokens per ms of the layout, in the long run, scaled by its kind's yield."""

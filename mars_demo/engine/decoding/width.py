@@ -38,6 +38,7 @@ import weakref
 from collections.abc import Sequence
 from itertools import pairwise
 
+from .drift import kept
 from .exact import DraftDepth
 from .surface import Surface
 from .yields import Yields
@@ -278,10 +279,13 @@ class WidthController:
         for row, width, tokens in zip(rows, widths, accepted):
             self.observe(row, tau, width - 1, tokens - 1)
 
-    def rates(self, rows: Sequence[Hits], caps: Sequence[int]) -> dict[int, float]:
+    def rates(self, rows: Sequence[Hits], caps: Sequence[int], static: bool = False) -> dict[int, float]:
         """Expected committed tokens per ms of steady passes of each width 1 .. most over these rows (module
-        docstring)."""
-        return self._rates([h.reach(self.most) for h in rows], caps)
+        docstring); ``static``: a batch no row joins, ``caps`` the rows' room left, whose wide passes return less as
+        its rows drift apart (drift.py)."""
+        reach = [h.reach(self.most) for h in rows]
+        rates = self._rates(reach, caps)
+        return kept(rates, reach, caps, self.surface) if static else rates
 
     def _rates(self, reach: Sequence[list[float]], caps: Sequence[int]) -> dict[int, float]:
         """``rates`` from the rows' acceptance (``Hits.reach``: P(at least k tokens)), read once for every width.
@@ -346,10 +350,12 @@ class WidthController:
             self.drafts.observe(drafted, held)
 
     def choose(
-        self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None, joins: int = 0
+        self, rows: Sequence[Hits], caps: Sequence[int], tau: float, fed: int | None = None, joins: int = 0,
+        static: bool = False,
     ) -> int:
-        """The width of the next pass: 1 at tau = 1.0, else the best rate; in a prefill (``fed``: the longest
-        prompt) the masks that are worth more than they add (``prefill``; ``joins``: running rows these join).
+        """The width of the next pass: 1 at tau = 1.0, else the best rate (``static``: a batch no row joins, ``rates``);
+        in a prefill (``fed``: the longest prompt) the masks that are worth more than they add (``prefill``;
+        ``joins``: running rows these join).
 
         Where width 1 won and no width promised GAIN, the choice stands for the next RECHECK - 1 passes over as
         many rows at the same tau until a row shows something (a prefill's masks), as a verifying batch's plain
@@ -366,7 +372,7 @@ class WidthController:
         elif fed is not None:
             self.last = self.prefill(rows, caps, fed, joins)
         elif self.narrow.get((len(rows), tau, self.shown)) is None:
-            rates = self.rates(rows, caps)
+            rates = self.rates(rows, caps, static)
             wide = max((w for w in rates if w > 1), key=lambda w: (rates[w], -w), default=1)
             gain = rates[wide] / rates[1]
             best = wide if wide > 1 and self.settle(len(rows), gain) else 1

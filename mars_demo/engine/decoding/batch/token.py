@@ -27,6 +27,7 @@ from ...backends.placement import SeededGenerator
 from .. import exact, speculative
 from ..acceptance import accept_rows, greedy_confidence
 from ..config import VERIFYING_MODES, DecodeConfig
+from ..drift import fixed_share, spread
 from ..sampling import Sampling
 from ..width import GAIN, NEAR, Hits, Standing, WidthController
 from .events import BatchEvent, RowStep
@@ -159,7 +160,7 @@ def token_passes(
     generator = SeededGenerator(config.seed)  # on the logits' device (placement.py)
     batch = TokenBatch(
         backend, prompts, config, block_size=spec.block_size, mask_id=spec.mask_id, pad_id=spec.pad_id,
-        stop_ids=spec.stop_ids, generator=generator, controller=controller,
+        stop_ids=spec.stop_ids, generator=generator, controller=controller, static=True,
     )
     index = 0
     while True:
@@ -185,15 +186,17 @@ class TokenBatch:
 
     Each pass's width comes from ``controller`` (width.py): from 1 (an AR pass) to B for "mars", and
     the number of drafts and masks per group (0 to B - 1) for verifying passes; a prefill's masks are
-    priced as a one-off (``WidthController.prefill``).
+    priced as a one-off (``WidthController.prefill``). A ``static`` batch (token_passes': no row joins it) prices
+    its wide passes for its rows drifting apart (drift.py).
     """
 
     def __init__(
         self, backend: Backend, prompts: Sequence[Sequence[int]], config: DecodeConfig, *, block_size: int,
         mask_id: int, pad_id: int, stop_ids: set[int] = frozenset(), generator: SeededGenerator | None = None,
-        controller: WidthController | None = None,
+        controller: WidthController | None = None, static: bool = False,
     ) -> None:
         verifying = config.mode in VERIFYING_MODES
+        self.static = static  # no row joins: the batch runs until its last row ends (drift.py)
         self.B, self.mask_id, self.pad_id, self.metric = block_size, mask_id, pad_id, config.metric
         self.sampling, self.verifying = Sampling(config.temperature, config.top_p, config.top_k), verifying
         self.generator = generator or SeededGenerator(None)
@@ -286,6 +289,9 @@ class TokenBatch:
         depths.layout(kinds)  # where AR passes win, the shares fade back to where they began
         best, rate, plain = depths.weighed  # the best drafting layout, its rate and AR's
         gain = rate / plain
+        if self.static and best.depth:  # what it keeps of that once the rows drift apart
+            left = max(self.book.room(r) for r in self.active)
+            gain *= spread(rows, *depths.moments(best), left, fixed_share(surface, rows, 1 + best.depth))
         if not self.passes:  # as the MARS width: a layout priced within a few percent may not pay
             return exact.Layout(most if gain >= GAIN else 0, True)
         # (or a price is due a look; after AR passes no row has drafts, and a look's first pass only drafts)
@@ -312,7 +318,7 @@ class TokenBatch:
             self.hits[r] = self.hits[r] or controller.new_row(tau)
         hits = [self.hits[r] for r in active]
         prompt = max(len(self.pending[r]) for r in active) if not self.passes else None  # the prefill's columns
-        width = controller.choose(hits, rooms, tau, prompt, self.joins)
+        width = controller.choose(hits, rooms, tau, prompt, self.joins, self.static)
         widths = [max(1, min(width, room)) for room in rooms]
         window = slide([self.pending[r] for r in active], [self.next_pos[r] for r in active], rooms, widths,
                        self.mask_id, self.pad_id)
