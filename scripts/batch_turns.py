@@ -24,6 +24,8 @@ from mars_demo.engine.decoding.batch import stream_batch_ids
 from mars_demo.engine.decoding.chat import prompt_ids
 from mars_demo.engine.decoding.config import DecodeConfig
 
+AFTER = 6  # --after-wide: one-token passes this many or more after a wider one are counted together
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,6 +42,9 @@ def main() -> None:
     parser.add_argument("--by-width", action="store_true",
                         help="also each method's decoding passes by (rows, columns fed a row): count, median ms, "
                              "tokens a ms (where a method's wide passes pay or not)")
+    parser.add_argument("--after-wide", action="store_true",
+                        help="also each method's one-token passes over the whole batch by passes since its last wider "
+                             "one, median ms: what a wide pass costs the passes after it")
     parser.add_argument("--torch-attention", action="store_true",
                         help="on a GPU, SDPA's kernels as torch picks them, cuDNN's included (backends/hf.py)")
     args = parser.parse_args()
@@ -53,16 +58,21 @@ def main() -> None:
     methods = args.methods.split(",")
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     passes: dict[str, dict[tuple[int, int], list[tuple[float, int]]]] = {m: {} for m in methods}
+    after: dict[str, dict[int, list[float]]] = {m: {} for m in methods}  # one-token passes by passes since a wide one
     for turn in range(-1, args.turns):  # turn -1: every method once on the first batch, untimed (warm-up)
         for method in methods if turn % 2 == 0 else methods[::-1]:
             mode, tau = (method.split(":") + ["1.0"])[:2]
             config = DecodeConfig(mode=mode, tau=float(tau), max_new_tokens=args.max_new_tokens)
             started = time.perf_counter()
             for i in range(0, len(prompts) if turn >= 0 else 1, args.batch):
+                since = AFTER  # passes since the batch's last wider one
                 for event in stream_batch_ids(lm, prompts[i : i + args.batch], config, scheme="token"):
                     if turn >= 0 and event.kind != "prefill":
                         shape = (sum(1 for row in event.rows if row.width), event.fed)  # rows in the pass
                         passes[method].setdefault(shape, []).append((event.seconds, event.tokens))
+                        if shape == (args.batch, 1):
+                            after[method].setdefault(min(since, AFTER), []).append(event.seconds)
+                        since = 0 if event.fed > 1 else since + 1
             if turn >= 0:
                 seconds[method].append(time.perf_counter() - started)
     reference = seconds[methods[0]]
@@ -75,6 +85,11 @@ def main() -> None:
                 ms = statistics.median(s for s, _ in seen) * 1000
                 per_ms = sum(t for _, t in seen) / sum(s for s, _ in seen) / 1000
                 print(f"    {rows} rows x {fed} fed: {len(seen)} passes, {ms:.2f} ms, {per_ms:.2f} tokens a ms")
+        if args.after_wide and after[method]:
+            found = (f"{k}{'+' if k == AFTER else ''}: {statistics.median(v) * 1000:.2f} ms ({len(v)})"
+                     for k, v in sorted(after[method].items()))
+            print(f"    one-token passes of the whole batch by passes since a wider one: {', '.join(found)}")
+        if args.by_width:
             for name, whole in (("the whole batch", True), ("fewer rows", False)):  # a static batch's tail apart
                 seen = [x for (rows, _), xs in passes[method].items() if (rows == args.batch) == whole for x in xs]
                 spent, tokens = sum(s for s, _ in seen), sum(t for _, t in seen)
