@@ -608,6 +608,23 @@ def test_prices_are_corrected_apart_for_each_row_count():
     assert controller.prices.of(7) == {False: 1.0, True: 1.0}  # a count not seen yet: the surface as measured
 
 
+def test_what_the_passes_after_a_wide_one_cost_over_their_price_is_charged_to_it():
+    """As on a 2-core Xeon: the one-token passes right after a wide pass run ~25% over their price, less each pass
+    (scripts/batch_turns.py --after-wide). The wide pass is priced with that, the one-token pass is not."""
+    slowed, level = Prices(), Prices()
+    for prices in (slowed, level):
+        for _ in range(40):
+            prices.seen(8, False, 1.0)
+        prices.seen(8, True, 1.1, columns=2, dearer=1.4)  # a look after a long run: counted for half
+    after = [1.25, 1.2, 1.15, 1.1, 1.05, 1.02, 1.3]  # the last one past AFTER: load, not the wide pass
+    for ratio in after:
+        slowed.seen(8, False, ratio)
+        level.seen(8, False, 1.0)
+    charged = 0.5 * sum(r - 1.0 for r in after[: Prices.AFTER]) / 1.4  # in the wide pass's own price
+    assert slowed.factor(8, 2) == pytest.approx(level.factor(8, 2) + charged)
+    assert slowed.factor(8, 1) == pytest.approx(0.9 * 1.0 + 0.1 * 1.3)  # only the pass past AFTER moved it
+
+
 def test_a_wide_pass_is_priced_by_the_ratio_of_its_own_width_and_between_the_widths_seen():
     prices = Prices()
     for _ in range(60):  # one-token passes at their price, 3-column ones at 1.3x theirs

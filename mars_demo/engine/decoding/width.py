@@ -36,10 +36,10 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from itertools import pairwise
 
 from .drift import kept
 from .exact import DraftDepth
+from .prices import Prices
 from .surface import Surface
 from .yields import Yields
 
@@ -107,92 +107,6 @@ class Hits:
         for j in range(min(most - 1, len(self.held))):
             out.append(out[-1] * self.share(j))
         return out
-
-
-class Prices:
-    """What passes on a measured surface cost against its price: the running ratio of measured to priced ms, kept
-    per row count and apart for one-token and wider passes (``WidthController``'s docstring), and within the wider
-    ones per number of columns fed (``factor``).
-
-    A surface measured once is off by different amounts at different row counts and widths as the machine's
-    phase moves (on a 2-core VM, one morning: one-token passes at 1.12-1.35x its price, wide ones at 0.9-1.0x,
-    by rows), so one ratio a kind, fed by every row count a batch passes through, priced 4-row passes by what
-    1-row ones had cost. Nor is it off by one ratio across widths: a surface measured while memory was slow
-    prices 3 columns at 4 rows (12 tokens a pass, past where the int8 GEMM stops being bound by the weights'
-    bytes) little above 2, and a faster phase makes the 3-column pass 1.3x its price and the 2-column one 1.1x.
-    One wide ratio learned from 3-column passes priced every 2-column layout out of reach.
-    """
-
-    DECAY = 0.9  # a ratio follows the last tens of passes
-    STALE = 32  # passes of one kind in a row after which the other kind's ratio is due a look (``due``)
-
-    def __init__(self) -> None:
-        self.ratios: dict[int, dict[bool, float]] = {}  # rows -> {wide?: ratio}
-        self.columns: dict[int, dict[tuple[bool, int], float]] = {}  # rows -> {(block?, columns of a wide pass): ratio}
-        self.runs: dict[int, tuple[bool, int]] = {}  # rows -> (the last pass's kind, passes of it in a row)
-        self.points: dict[tuple[int, bool], list[tuple[float, float]]] = {}  # factor's, until the next pass seen
-
-    def of(self, rows: int) -> dict[bool, float]:
-        """{wide?: ratio} at ``rows`` rows: 1.0 (the surface as measured) until passes there are seen. (Started from
-        the nearest row count's instead, a count would take over a ratio that had gone stale there, such as a
-        2-row batch's one-token ratio, drifted while its wide passes ran.)"""
-        return self.ratios.setdefault(rows, {False: 1.0, True: 1.0})
-
-    def factor(self, rows: int, columns: float, block: bool = False) -> float:
-        """What the surface's price of a pass feeding ``columns`` columns a row over ``rows`` rows is multiplied by;
-        ``block``: a pass under a 4-D mask (a verifying pass's fallback group), whose mask a causal pass does not
-        build or read, priced apart.
-
-        One column: the one-token ratio. Wider: the ratio of the column counts seen (of passes of the same kind of
-        mask), straight between them and from the one-token ratio at one column up to the narrowest seen; past the
-        widest seen, the widest's. With none seen, a block pass is priced as a causal one, and a causal one at the
-        wide kind's ratio.
-        """
-        kinds = self.of(rows)
-        if columns <= 1:
-            return kinds[False]
-        points = self.points.get((rows, block))
-        if points is None:  # (a verifying batch prices ~20 widths a pass: sorted once)
-            seen = sorted((c, r) for (b, c), r in self.columns.get(rows, {}).items() if b == block)
-            points = self.points[rows, block] = [(1, kinds[False]), *seen] if seen else []
-        if not points:
-            return self.factor(rows, columns) if block else kinds[True]
-        for (c0, r0), (c1, r1) in pairwise(points):
-            if columns <= c1:
-                return r0 + (r1 - r0) * (columns - c0) / (c1 - c0)
-        return points[-1][1]
-
-    def seen(self, rows: int, wide: bool, ratio: float, columns: int = 0, block: bool = False) -> None:
-        """A pass of this kind over ``rows`` rows (fed ``columns`` columns, where wide; ``block``: under a 4-D
-        mask) took ``ratio`` times its price.
-
-        The first pass of a kind after STALE of the other (a look: ``due``) counts for half, not a tenth: the old
-        ratio is as old as that run. After STALE passes in a row, the other kind's ratios also drift toward this
-        one's (the surface's own relative prices), so that one a burst of other load raised comes near enough
-        to be looked at again.
-        """
-        ratios, decay, ratio = self.of(rows), self.DECAY, min(max(ratio, 0.25), 4.0)
-        self.points.pop((rows, False), None)
-        self.points.pop((rows, True), None)
-        kind, run = self.runs.get(rows, (wide, 0))
-        weight = 0.5 if kind != wide and run >= self.STALE else 1 - decay
-        ratios[wide] = (1 - weight) * ratios[wide] + weight * ratio
-        widths = self.columns.setdefault(rows, {})
-        if wide and columns > 1:
-            key = (block, columns)
-            widths[key] = (1 - weight) * widths.get(key, ratios[wide]) + weight * ratio
-        run = run + 1 if kind == wide else 1
-        self.runs[rows] = (wide, run)
-        if run > self.STALE:
-            ratios[not wide] = decay * ratios[not wide] + (1 - decay) * ratios[wide]
-            if not wide:
-                for c, r in widths.items():
-                    widths[c] = decay * r + (1 - decay) * ratios[wide]
-
-    def due(self, rows: int) -> bool | None:
-        """The kind (wide?) whose ratio at ``rows`` has gone unmeasured for STALE passes, else None."""
-        kind, run = self.runs.get(rows, (False, 0))
-        return (not kind) if run >= self.STALE else None
 
 
 _POOLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # surface -> {most: {tau: pooled Hits}}
@@ -311,7 +225,8 @@ class WidthController:
         correct the prices."""
         if self.surface is None or self.surface.simulated or rows < 1 or columns < 1 or seconds <= 0:
             return
-        self.prices.seen(rows, columns > 1, seconds * 1000 / self.surface.ms(rows, columns), columns, block)
+        price = self.surface.ms(rows, columns)
+        self.prices.seen(rows, columns > 1, seconds * 1000 / price, columns, block, price / self.surface.ms(rows, 1))
 
     def settle(self, rows: int, gain: float, first: float = 0.0) -> bool:
         """Whether the next pass over ``rows`` rows is wide, given the best wide choice's expected ``gain`` over
