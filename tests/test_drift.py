@@ -93,9 +93,9 @@ def test_a_static_batch_goes_wide_only_where_the_gain_outlasts_its_rows_drifting
 def test_a_layouts_variance_is_spread_over_the_passes_that_verify():
     depth = DraftDepth(3, {w: 10.0 for w in range(1, 11)})  # the prior: each draft holds one time in two
     verifying = moments([1.0, 0.5, 0.25, 0.125])
-    assert depth.moments(Layout(3, *WITH_FALLBACK)) == pytest.approx(verifying)  # every pass verifies
-    tokens, variance = depth.moments(Layout(3, *IN_TURNS))  # every other pass verifies
+    assert depth.pass_moments(Layout(3, *WITH_FALLBACK)) == pytest.approx(verifying)  # every pass verifies
+    tokens, variance = depth.pass_moments(Layout(3, *IN_TURNS))  # every other pass verifies
     assert tokens == pytest.approx((verifying[0] + 1) / 2) and variance == pytest.approx(verifying[1] / 2)
-    tokens, variance = depth.moments(Layout(3, *CHAIN))
+    tokens, variance = depth.pass_moments(Layout(3, *CHAIN))
     assert 1.0 < tokens < verifying[0] and 0.0 < variance < verifying[1]
-    assert depth.moments(Layout(0, True, True)) == (1.0, 0.0)  # a plain pass
+    assert depth.pass_moments(Layout(0, True, True)) == (1.0, 0.0)  # a plain pass

@@ -234,7 +234,7 @@ class DraftDepth:
         bare = self.cost(1 + depth) if self.rows == 1 else with_drafts  # in a batch: the drafting rows' width
         return (expected + to_bare) / (1 + to_bare), (with_drafts + to_bare * bare) / (1 + to_bare)
 
-    def moments(self, layout: Layout) -> tuple[float, float]:
+    def pass_moments(self, layout: Layout) -> tuple[float, float]:
         """(tokens, variance) a row commits a pass in the long run of ``layout`` on the chain model: a verifying pass
         commits 1 + the drafts held, and its variance is spread over the passes that verify (a drafting pass, in turns
         or after a failed draft without the fallback group, commits one token and adds none)."""

@@ -291,7 +291,7 @@ class TokenBatch:
         gain = rate / plain
         if self.static and best.depth:  # what it keeps of that once the rows drift apart
             left = max(self.book.room(r) for r in self.active)
-            gain *= spread(rows, *depths.moments(best), left, fixed_share(surface, rows, 1 + best.depth))
+            gain *= spread(rows, *depths.pass_moments(best), left, fixed_share(surface, rows, 1 + best.depth))
         if not self.passes:  # as the MARS width: a layout priced within a few percent may not pay
             return exact.Layout(most if gain >= GAIN else 0, True)
         # (or a price is due a look; after AR passes no row has drafts, and a look's first pass only drafts)
