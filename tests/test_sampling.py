@@ -150,6 +150,9 @@ def test_batched_exact_passes_in_turns_sample_as_ar_sampling(drafty, monkeypatch
     jump = Surface.from_cost(lambda r, w: costs[w], rows=(1, 2, 4, 8), widths=tuple(costs), name="jump")
     seen, verify_block = [], token.verify_block
     monkeypatch.setattr(token, "verify_block", lambda *a: seen.append(a[-1]) or verify_block(*a))
+    # priced as a batch that rows join: a static one of 2000 rows three tokens from its end waits for its unluckiest
+    # row whatever it drafts (drift.py), and goes plain; the passes in turns are what is tested here
+    monkeypatch.setattr(token, "spread", lambda *args: 1.0)
     ids = prompt_ids(drafty.tokenizer, PROMPTS[0])
     samples = batch_runs(drafty, ids, TOP_K, 2000, 3, block_size=4, controller=WidthController(jump, 4))
     assert seen[0] and seen[1:] and not any(seen[1:])  # the prefill's masks draft; later passes go in turns
