@@ -16,6 +16,7 @@ from mars_demo.engine.serving.replay import (
     BURST,
     SimConfig,
     arrival_times,
+    in_turn,
     make_requests,
     percentile,
     replay,
@@ -78,11 +79,16 @@ def test_policies_take_turns_pass_by_pass(tiny_qwen):
     pool = [prompt_ids(tiny_qwen.tokenizer, p) for p in PROMPTS]
     seen = []
     result = simulate(tiny_qwen, config, pool, on_event=lambda name, event: seen.append(name))
-    assert seen[:4] == ["fixed:1", "fixed:0.15", "fixed:1", "fixed:0.15"]
+    assert seen[:6] == ["fixed:1", "fixed:0.15", "fixed:0.15", "fixed:1", "fixed:1", "fixed:0.15"]  # first rotates
     alone = replay(tiny_qwen, config, "fixed:0.15", make_requests(config, pool))
     together = result["policies"][1]
     assert together["summary"]["done"] == 5 and together["summary"]["tokens"] == summarise(alone)["tokens"]
     assert [r["token_ids"] for r in together["requests"]] == [r["token_ids"] for r in request_records(alone)]
+
+
+def test_each_round_of_turns_starts_one_replay_further():
+    assert [in_turn([0, 1, 2], turn) for turn in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert in_turn([0, 2], 3) == [2, 0] and in_turn([], 5) == []  # replays that ended are left out
 
 
 def test_a_policy_may_decode_in_its_own_mode_beside_the_others(tiny_qwen):

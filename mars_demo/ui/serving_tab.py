@@ -35,6 +35,7 @@ from ..engine.serving.replay import (
     REFERENCE,
     SimConfig,
     add_agreement,
+    in_turn,
     live_replay,
     make_requests,
     series,
@@ -181,14 +182,15 @@ class ServingHandlers:
         replays = [live_replay(lm, config, spec, requests, deadline=max(stop_at - time.monotonic(), 0.0), stop=stop,
                                surface=surface) for spec in config.policies]
         latest: list = [None] * len(replays)
-        going, shown = list(range(len(replays))), 0.0
+        going, shown, turn = list(range(len(replays))), 0.0, 0
         while going:
-            for i in list(going):
+            for i in in_turn(going, turn):
                 run = next(replays[i], None)
                 if run is None:
                     going.remove(i)
                 else:
                     latest[i] = run
+            turn += 1
             if time.monotonic() - shown >= self.chart_every:
                 shown = time.monotonic()
                 yield view(*self._progress([run for run in latest if run is not None], config))

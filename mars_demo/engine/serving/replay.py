@@ -163,6 +163,14 @@ def replay(
     return run or PolicyRun(parse_policy(policy).name, [], new_loop(lm, config, policy, pass_cost, surface), 0.0)
 
 
+def in_turn(going: Sequence[int], turn: int) -> list[int]:
+    """The replays still going (their indices), in the order they take their passes in round ``turn``: each round
+    one place further, so that no policy always passes first, after whatever ran between rounds (a UI's redraw, a
+    progress line), nor always after the same other policy."""
+    first = turn % len(going) if going else 0
+    return [*going[first:], *going[:first]]
+
+
 def warm_up(lm: LoadedModel, config: SimConfig, requests: Sequence[Request]) -> None:
     """A short untimed replay (two requests, a few tokens, both widths) in every mode the policies decode in, so no
     policy pays first-call costs."""
