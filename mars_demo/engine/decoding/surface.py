@@ -52,7 +52,7 @@ class Surface:
         if problem:
             raise ValueError(f"the cost surface cannot be used: {problem}")
         self._at: dict[tuple[int, int], float] = {}  # ms at whole (rows, width): priced again every pass
-        self._lines: dict[int, list[float]] = {}  # ms at each grid width for a row count off the grid
+        self._lines: dict[float, list[float]] = {}  # ms at each grid width, by row count
 
     @classmethod
     def from_cost(cls, cost: Callable[[int, int], float], *, rows: Sequence[int] = GRID_ROWS,
@@ -83,15 +83,13 @@ class Surface:
         known = self._at.get((rows, width))
         if known is not None:
             return known
-        if rows in self.rows:  # a batch's own row count: one line of the grid
-            found = _interpolate(self.widths, self.grid[self.rows.index(rows)], width)
-        elif float(rows).is_integer():  # rows between the grid's: that row count's line, made once
-            line = self._lines.get(rows)
-            if line is None:
-                line = self._lines[rows] = [_interpolate(self.rows, costs, rows) for costs in zip(*self.grid)]
-            found = _interpolate(self.widths, line, width)
-        else:
-            found = _interpolate(self.rows, [_interpolate(self.widths, costs, width) for costs in self.grid], rows)
+        line = self._lines.get(rows)
+        if line is None:  # the row count's line of the grid, or between two lines: made once
+            line = self._lines[rows] = (
+                self.grid[self.rows.index(rows)] if rows in self.rows
+                else [_interpolate(self.rows, costs, rows) for costs in zip(*self.grid)]
+            )
+        found = _interpolate(self.widths, line, width)
         if float(width).is_integer() and float(rows).is_integer():  # the controllers' recurring questions
             self._at[(rows, width)] = found
         return found
