@@ -175,6 +175,9 @@ def main() -> None:
         print("timed: " + summary(method, passes, surface))
     print(by_shape(record["timed"], surface))
     print(slow_passes(record["timed"]))
+    if args.out:  # before the profiles: parsing a profile's events can outrun the step's deadline
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "passes.json").write_text(json.dumps(record))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     for method in methods:
@@ -183,9 +186,6 @@ def main() -> None:
         print(f"\n== profile: {method}\n" + prof.key_averages().table(sort_by=sort, row_limit=18))
         if torch.cuda.is_available():  # the host's side too
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "passes.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

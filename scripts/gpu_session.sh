@@ -52,28 +52,28 @@ model=$runs/gpu
 [ "${SKIP_TRAIN:-0}" = 1 ] || step train 60 $py -m mars_demo train --base smollm2-135m --data assets/data/distill.jsonl --out "$model" \
     --val-data assets/data/heldout_val64.jsonl --ar-weight 2.0 "${train_size[@]}" "${device[@]}"
 [ -f "$model/adapter_model.safetensors" ] || model=smollm2-135m-mars  # no adapter: measure the bundled one
-# 2. the methods in turns in one process, the rows that matter most first
+# 2. the compiled path (CUDA graphs), first: compiling takes minutes (BENCHMARKS.md, "GPU"), so 2 prompts
+[ "${QUICK:-0}" = 1 ] || step compiled 35 $py -m mars_demo bench --model "$model" \
+    --prompts assets/data/heldout_varied32.json --taus 0.9 --methods ar,mars,mars_exact --limit 2 --max-new-tokens 64 \
+    --batch-sizes 1 --compile --out "$OUT/small/bench-compiled.json"
+# 3. the methods in turns in one process, the rows that matter most first
 for rows in 8 4; do  # at least turns_limit prompts, and a full batch of them
     step "turns at $rows rows" 40 env PYTHONPATH=".:$PYTHONPATH" $py scripts/batch_turns.py --model "$model" --prompts assets/data/heldout_varied32.json \
         --batch $rows --limit $(( rows > turns_limit ? rows : turns_limit )) --methods ar,exact,mars:0.9,mars:0.7 "${turns_size[@]}"
 done
-# 3. serving on the measured clock (the GPU's own cost surface prices each pass's width); exact mode in the same run,
+# 4. serving on the measured clock (the GPU's own cost surface prices each pass's width); exact mode in the same run,
 # taking turns with the others pass by pass (a run of its own reads another phase of the machine)
 step "serve-sim measured" 60 $py -m mars_demo serve-sim --model "$model" --rate 30 --seed 0 --max-batch 8 \
     --policies fixed:1.0,fixed:0.9,adaptive,fixed:1.0@exact --arrivals poisson --mode mars --no-quality --clock measured \
     "${sim_size[@]}" --out "$OUT/small/serve-measured"
-# 4. where a batched pass's time goes: the forward timed apart from the host work, then a profile per method
+# 5. where a batched pass's time goes: the forward timed apart from the host work, then a profile per method
 # (BENCHMARKS.md, "GPU": how cuDNN's per-shape graph builds showed)
 step profile 35 env PYTHONPATH=".:$PYTHONPATH" $py scripts/gpu_profile.py --model "$model" "${profile_size[@]}" \
     --out "$OUT/small/profile"
-# 5. single-sequence and batch speed
+# 6. single-sequence and batch speed
 step bench 50 $py -m mars_demo bench --model "$model" --prompts assets/data/heldout_varied32.json --taus 0.9 \
     --methods hf_generate,ar,mars,mars_exact,ar_batch_ours,mars_batch_token,exact_batch "${bench_size[@]}" \
     "${device[@]}" --out "$OUT/small/bench-eager.json"
-# 6. the compiled path (CUDA graphs)
-[ "${QUICK:-0}" = 1 ] || step compiled 90 $py -m mars_demo bench --model "$model" \
-    --prompts assets/data/heldout_varied32.json --taus 0.9 --methods ar,mars,mars_exact "${bench_size[@]}" \
-    --batch-sizes 1 --compile --out "$OUT/small/bench-compiled.json"
 
 # pack: the run's small files in one tarball, the adapter in pieces under 16 MB
 for f in training.json loss.jsonl val.jsonl mars.json adapter_config.json; do
