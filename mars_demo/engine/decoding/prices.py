@@ -25,19 +25,11 @@ class Prices:
     AFTER one-token passes or more leave the one-token ratio as it was, and what they cost over it is charged to
     that wide pass's ratio. (After a run of wide passes the one-token ratio is as old as the run, and a one-token
     pass then sets it: a look.)
-
-    A look at the wide price that finds it still does not pay (one or two wide passes, then one-token passes again)
-    makes the next one wait twice as long, up to SPACED times STALE; a run of wide passes longer than a look's
-    starts the wait again at STALE. Every look costs what its passes lose plus the slowness they leave, and on a
-    machine where wide passes never pay at some row count, looks every STALE passes were most of what those batches
-    lost against plain ones (``scripts/batch_turns.py --by-width``).
     """
 
     DECAY = 0.9  # a ratio follows the last tens of passes
     STALE = 32  # passes of one kind in a row after which the other kind's ratio is due a look (``due``)
     AFTER = 6  # one-token passes after a wide one whose cost over the one-token price is the wide pass's
-    LOOK = 2  # wide passes a look takes (a verifying look's first pass only drafts, its second verifies)
-    SPACED = 8  # the longest wait for a look, in STALE passes
 
     def __init__(self) -> None:
         self.ratios: dict[int, dict[bool, float]] = {}  # rows -> {wide?: ratio}
@@ -46,8 +38,6 @@ class Prices:
         self.points: dict[tuple[int, bool], list[tuple[float, float]]] = {}  # factor's, until the next pass seen
         # rows -> the last wide pass's (block?, columns), its weight, its price over a one-token pass's, passes since
         self.after: dict[int, tuple[tuple[bool, int], float, float, int]] = {}
-        self.spacing: dict[int, int] = {}  # rows -> STALE passes a look at the wide price waits (``due``)
-        self.looking: set[int] = set()  # rows whose wide passes now are a look
 
     def of(self, rows: int) -> dict[bool, float]:
         """{wide?: ratio} at ``rows`` rows: 1.0 (the surface as measured) until passes there are seen. (Started from
@@ -110,7 +100,6 @@ class Prices:
             self.after.pop(rows, None)
             if self.AFTER and not kind and run >= self.AFTER:  # the one-token ratio is current: what to charge against
                 self.after[rows] = (key, weight, dearer, 0)
-        self._space(rows, wide, kind, run)
         run = run + 1 if kind == wide else 1
         self.runs[rows] = (wide, run)
         if run > self.STALE:
@@ -119,24 +108,7 @@ class Prices:
                 for c, r in widths.items():
                     widths[c] = decay * r + (1 - decay) * ratios[wide]
 
-    def _space(self, rows: int, wide: bool, kind: bool, run: int) -> None:
-        """The wait for the next look at the wide price (class docstring), as a pass of kind ``wide`` follows ``run``
-        passes of kind ``kind``."""
-        if wide and not kind and run >= self.wait(rows):  # a wide pass after a long one-token run
-            self.looking.add(rows)
-        elif wide and kind and run >= self.LOOK:  # wide passes go on: they pay
-            self.looking.discard(rows)
-            self.spacing.pop(rows, None)
-        elif not wide and kind and rows in self.looking:  # one-token passes again right after a look
-            self.looking.discard(rows)
-            self.spacing[rows] = min(2 * self.spacing.get(rows, 1), self.SPACED)
-
-    def wait(self, rows: int) -> int:
-        """One-token passes in a row over ``rows`` rows after which the wide price is due a look."""
-        return self.STALE * self.spacing.get(rows, 1)
-
     def due(self, rows: int) -> bool | None:
-        """The kind (wide?) whose ratio at ``rows`` has gone unmeasured for long enough, else None: the one-token
-        kind's after STALE wide passes, the wide kind's after ``wait`` one-token passes."""
+        """The kind (wide?) whose ratio at ``rows`` has gone unmeasured for STALE passes, else None."""
         kind, run = self.runs.get(rows, (False, 0))
-        return (not kind) if run >= (self.STALE if kind else self.wait(rows)) else None
+        return (not kind) if run >= self.STALE else None

@@ -243,11 +243,10 @@ class WidthController:
 
     def spaced(self, rows: int, first: float) -> bool:
         """Whether one-token passes over ``rows`` rows have run long enough for a wide look whose first pass costs
-        ``first`` more than theirs: the wait for a look (``Prices.wait``) where that is at most FIRST, first / FIRST
-        times as many where more (its cost spread as thin). Never where no one-token passes run (the wide kind's own
-        runs)."""
+        ``first`` more than theirs: STALE passes where that is at most FIRST, first / FIRST times as many where more
+        (its cost spread as thin). Never where no one-token passes run (the wide kind's own runs)."""
         kind, run = self.prices.runs.get(rows, (True, 0))
-        return not kind and run >= self.prices.wait(rows) * max(1.0, first / FIRST)
+        return not kind and run >= Prices.STALE * max(1.0, first / FIRST)
 
     def start_drafts(self, depth: int) -> tuple[list[float], list[float]]:
         """Pseudo-counts (held, tried) for ``depth`` depths that a verifying batch's DraftDepth starts from: the
