@@ -53,7 +53,7 @@ model=$runs/gpu
     --val-data assets/data/heldout_val64.jsonl --ar-weight 2.0 "${train_size[@]}" "${device[@]}"
 [ -f "$model/adapter_model.safetensors" ] || model=smollm2-135m-mars  # no adapter: measure the bundled one
 # 2. the compiled path (CUDA graphs), first: compiling takes minutes (BENCHMARKS.md, "GPU"), so 2 prompts
-[ "${QUICK:-0}" = 1 ] || step compiled 35 $py -m mars_demo bench --model "$model" \
+[ "${QUICK:-0}" = 1 ] || step compiled 45 $py -m mars_demo bench --model "$model" \
     --prompts assets/data/heldout_varied32.json --taus 0.9 --methods ar,mars,mars_exact --limit 2 --max-new-tokens 64 \
     --batch-sizes 1 --compile --out "$OUT/small/bench-compiled.json"
 # 3. the methods in turns in one process, the rows that matter most first

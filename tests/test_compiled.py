@@ -13,8 +13,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from mars_demo.engine.backends.hf import STATIC_CACHE_STEP, HFCache, TransformersBackend, compile_passes
-from mars_demo.engine.decoding.config import DecodeConfig
-from mars_demo.engine.decoding.loop import collect, generate
+from mars_demo.engine.decoding.config import DecodeConfig, resolve_max_fed
+from mars_demo.engine.decoding.loop import collect, generate, steady_shapes
 from mars_demo.engine.model import LoadedModel
 
 from conftest import PROMPTS, make_lm
@@ -61,6 +61,40 @@ def test_prompts_of_different_lengths_share_the_compiled_graphs(pair):
     for prompt in PROMPTS[1:3]:
         collect(generate(compiled, prompt, config))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_warmed_backend_compiles_nothing_while_it_decodes(pair):
+    """bench --compile compiles every steady pass shape before timing: a width met only now and then (every mask
+    accepted) compiled in the middle of a timed run on a GPU."""
+    from torch._dynamo.utils import counters
+
+    plain, _ = pair
+
+    def fresh() -> LoadedModel:  # with nothing compiled yet (dynamo shares graphs between copies of a model)
+        torch._dynamo.reset()
+        model = copy.deepcopy(plain.model)
+        lm = LoadedModel(model=model, tokenizer=plain.tokenizer, meta=plain.meta, name="tiny-llama-compiled")
+        lm.chosen = compile_passes(model, backend="eager")
+        return lm
+
+    def graphs_while_decoding(lm: LoadedModel) -> int:
+        before = counters["stats"]["unique_graphs"]
+        for prompt in PROMPTS[:3]:
+            for config in (CONFIGS["mars"], CONFIGS["ar"]):
+                collect(generate(lm, prompt, config))
+        return counters["stats"]["unique_graphs"] - before
+
+    assert graphs_while_decoding(fresh()) > 0  # unwarmed, the shapes compile as they come
+    warmed = fresh()
+    shapes = steady_shapes(plain.meta.block_size, resolve_max_fed(CONFIGS["mars"].max_fed, None))
+    assert (1, 1) in shapes and len(shapes) == plain.meta.block_size + 1
+    assert warmed.backend.warm(shapes) == len(shapes) and plain.backend.warm(shapes) == 0
+    assert graphs_while_decoding(warmed) == 0
+
+
+def test_steady_shapes_follow_the_cap_on_tokens_fed():
+    assert steady_shapes(4, None) == {(1, 1), (4, 4), (5, 4), (6, 4), (7, 4)}
+    assert steady_shapes(4, 4) == {(1, 1), (4, 4), (4, 3), (4, 2), (5, 2)}  # at most 4 fed, never under 2 candidates
 
 
 def test_static_cache_only_when_compiled(pair):

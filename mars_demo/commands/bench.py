@@ -20,7 +20,8 @@ from ..cli import (
 from ..engine.backends.hf import compile_passes
 from ..engine.backends.placement import choose_host_threads
 from ..engine.checkpoints.loading import default_precision, load_model
-from ..engine.decoding.config import DecodeConfig
+from ..engine.decoding.config import DecodeConfig, resolve_max_fed
+from ..engine.decoding.loop import steady_shapes
 from ..engine.decoding.sampling import Sampling
 from ..research.benchmark import KNOWN, METHODS, BenchConfig, drift_message, run_benchmark
 from ..research.distillation import read_prompts
@@ -187,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         if lm.device.type != "cuda":
             raise UserError("--compile is for CUDA (static cache, CUDA graphs); on a CPU the compute paths apply")
         lm.chosen = compile_passes(lm.model, mode="reduce-overhead", compute=lm.compute)
+        shapes = steady_shapes(lm.meta.block_size, resolve_max_fed(config.max_fed, lm.compute))
+        print(f"compiling {len(shapes)} decode pass shapes before timing (minutes)", file=sys.stderr, flush=True)
+        lm.chosen.warm(shapes)
     if sampled:
         return run_sampled(args, lm, prompts, config)
     report = run_benchmark(lm, prompts, config)

@@ -11,6 +11,8 @@ window sit at positions later than every query, which the causal mask hides. So 
 feeds the model exactly what the dynamic one does. The prefill and verifying passes (4-D masks,
 drafts) stay eager, on a dynamic cache. Compiled graphs are per pass width and cache length, so the
 static cache's length is rounded up to ``STATIC_CACHE_STEP``: prompts of different lengths share graphs.
+A width that a run meets only now and then (every mask accepted) would compile in the middle of it, so a
+caller that times the passes compiles every steady shape first (``TransformersBackend.warm``).
 
 Attention on a GPU: torch's SDPA may pick cuDNN's kernel, which builds a graph for every new shape of
 its inputs. Decode passes change shape every pass (the cache grows; widths and rows vary), so each pass
@@ -110,6 +112,20 @@ class TransformersBackend(Backend):
             past_key_values=None if cache is None else cache.inner, use_cache=cache is not None, logits_to_keep=keep,
         )
         return out.logits
+
+    @torch.inference_mode()
+    def warm(self, shapes: set[tuple[int, int]], length: int = STATIC_CACHE_STEP) -> int:
+        """Run a steady pass of every (tokens fed, logits kept) in ``shapes`` on a throwaway static cache of
+        ``length``, so that each compiles now and not in the middle of a timed run; the passes run (0 where
+        nothing is compiled)."""
+        if self.compiled is None:
+            return 0
+        device = input_device(self.model)
+        for fed, keep in sorted(shapes):
+            cache = self.new_cache(length)
+            self.forward(torch.zeros((1, 1), dtype=torch.long, device=device), cache)  # a prefill: eager
+            self.forward(torch.zeros((1, fed), dtype=torch.long, device=device), cache, keep=keep, steady=True)
+        return len(shapes)
 
 
 def leave_out_cudnn_attention(device: torch.device) -> None:

@@ -152,6 +152,16 @@ def capped_width(window: int, fed_tokens: int, max_fed: int) -> int:
     return min(window, max(2, max_fed - fed_tokens + 1))
 
 
+def steady_shapes(window: int, max_fed: int | None) -> set[tuple[int, int]]:
+    """(tokens fed, logits kept) of every steady pass of AR and of MARS with no width controller (``mars_pass``):
+    AR's one token, and a MARS pass's accepted tokens, 1 to ``window``, with its masks under ``max_fed``."""
+    shapes = {(1, 1)}
+    for accepted in range(1, window + 1):
+        width = window if max_fed is None else capped_width(window, accepted, max_fed)
+        shapes.add((accepted + width - 1, width))
+    return shapes
+
+
 def lookahead(window: int, verifying: bool) -> int:
     """Positions a pass may use past the newest committed token: B - 1 masks, or drafts + masks when verifying."""
     return 2 * window - 1 if verifying else window
