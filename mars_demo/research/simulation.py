@@ -26,7 +26,6 @@ from ..engine.serving.replay import (
     PolicyRun,
     SimConfig,
     add_agreement,
-    in_turn,
     live_replay,
     make_requests,
     reference_done,
@@ -34,6 +33,7 @@ from ..engine.serving.replay import (
     request_records,
     series,
     summarise,
+    take_turns,
     warm_up,
 )
 from .evaluation import Scorer, pooled_nll
@@ -92,17 +92,11 @@ def interleaved(
     replays = [live_replay(lm, config, spec, requests, pass_cost=pass_cost, deadline=wall, surface=surface)
                for spec in config.policies]
     latest: list[PolicyRun | None] = [None] * len(replays)
-    going, turn = list(range(len(replays))), 0
-    while going:
-        for i in in_turn(going, turn):
-            run = next(replays[i], None)
-            if run is None:
-                going.remove(i)
-                continue
+    for passes in take_turns(replays):
+        for i, run in passes:
             latest[i] = run
             if on_event is not None:
                 on_event(names[i], run.events[-1])
-        turn += 1
     return [run or replay(lm, config, spec, [], surface=surface) for run, spec in zip(latest, config.policies)]
 
 

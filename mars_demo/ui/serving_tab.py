@@ -35,11 +35,11 @@ from ..engine.serving.replay import (
     REFERENCE,
     SimConfig,
     add_agreement,
-    in_turn,
     live_replay,
     make_requests,
     series,
     summarise,
+    take_turns,
     warm_up,
 )
 from .charts import serving_figures, surface_heatmap
@@ -182,15 +182,10 @@ class ServingHandlers:
         replays = [live_replay(lm, config, spec, requests, deadline=max(stop_at - time.monotonic(), 0.0), stop=stop,
                                surface=surface) for spec in config.policies]
         latest: list = [None] * len(replays)
-        going, shown, turn = list(range(len(replays))), 0.0, 0
-        while going:
-            for i in in_turn(going, turn):
-                run = next(replays[i], None)
-                if run is None:
-                    going.remove(i)
-                else:
-                    latest[i] = run
-            turn += 1
+        shown = 0.0
+        for passes in take_turns(replays):
+            for i, run in passes:
+                latest[i] = run
             if time.monotonic() - shown >= self.chart_every:
                 shown = time.monotonic()
                 yield view(*self._progress([run for run in latest if run is not None], config))

@@ -171,6 +171,22 @@ def in_turn(going: Sequence[int], turn: int) -> list[int]:
     return [*going[first:], *going[:first]]
 
 
+def take_turns(replays: Sequence[Iterator[PolicyRun]]) -> Iterator[list[tuple[int, PolicyRun]]]:
+    """Live replays (``live_replay``) taking turns pass by pass: each round, every replay still going takes one pass
+    (``in_turn``'s order); yields the round's (index, run) pairs until every replay has ended."""
+    going, turn = list(range(len(replays))), 0
+    while going:
+        done = []
+        for i in in_turn(going, turn):
+            run = next(replays[i], None)
+            if run is None:
+                going.remove(i)
+            else:
+                done.append((i, run))
+        turn += 1
+        yield done
+
+
 def warm_up(lm: LoadedModel, config: SimConfig, requests: Sequence[Request]) -> None:
     """A short untimed replay (two requests, a few tokens, both widths) in every mode the policies decode in, so no
     policy pays first-call costs."""
